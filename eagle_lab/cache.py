@@ -1,0 +1,48 @@
+"""Keep or discard entries of a Hugging Face KV cache after a verification round.
+
+The target scores the whole draft tree in one forward, so its cache grows by every tree
+node; only the accepted path may stay. `keep_accepted` moves the accepted entries right
+after the committed prefix and drops the rest, in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _layers(cache):
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"unsupported cache type {type(cache).__name__}: expected a transformers DynamicCache")
+    return layers
+
+
+def cache_length(cache) -> int:
+    return cache.get_seq_length()
+
+
+def keep_accepted(cache, past_len: int, accepted: torch.Tensor) -> None:
+    """Keep positions [0, past_len) plus `past_len + accepted` (tree-node indices, in order).
+
+    accepted: [L] int64 indices into the nodes scored after `past_len`.
+    """
+    if accepted.numel() == cache_length(cache) - past_len and bool(
+        (accepted == torch.arange(accepted.numel(), device=accepted.device)).all()
+    ):
+        return  # the accepted nodes already sit contiguously: nothing to move
+    for layer in _layers(cache):
+        if not getattr(layer, "is_initialized", True) or layer.keys is None:
+            continue
+        if getattr(layer, "is_sliding", False):
+            raise TypeError("sliding-window cache layers are not supported by tree verification")
+        index = accepted.to(layer.keys.device) + past_len
+        # keys/values: [B, kvH, T, D] -> [B, kvH, past_len + L, D]
+        layer.keys = torch.cat([layer.keys[:, :, :past_len], layer.keys.index_select(2, index)], dim=2)
+        layer.values = torch.cat([layer.values[:, :, :past_len], layer.values.index_select(2, index)], dim=2)
+
+
+def truncate(cache, length: int) -> None:
+    """Drop every entry at position >= length."""
+    extra = cache_length(cache) - length
+    if extra > 0:
+        cache.crop(-extra)

@@ -1,0 +1,31 @@
+"""Device and dtype choice: `auto` means CUDA when present, else CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle_lab.errors import EagleLabError
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise EagleLabError(f"unknown device '{name}' (use auto, cpu, cuda, cuda:N)") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EagleLabError(f"device '{name}' asked for but CUDA is not available here")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bf16 on CUDA (what large targets are trained in), fp32 on CPU (exact, fast)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise EagleLabError(f"unknown dtype '{name}' (use auto, {', '.join(sorted(_DTYPES))})")
+    return _DTYPES[name]

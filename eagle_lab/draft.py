@@ -1,0 +1,129 @@
+"""Drafters propose a token tree after the committed sequence; the target verifies it.
+
+`EagleDrafter` grows an EAGLE-2 dynamic tree with the head:
+  1. feed the head the pairs it has not seen, (feature_t, token_{t+1}), using its KV cache;
+  2. the root's children are the top-k draft tokens; for each further level, feed the
+     current frontier (k nodes) to the head in one batch, give every frontier node its
+     top-k children (k*k candidates, scored by cumulative draft log-probability), and keep
+     the best k as the next frontier;
+  3. rerank all candidates and keep the best `total_tokens` as the tree (a child never
+     scores above its parent, so kept nodes always have their ancestors).
+Frontier entries in the head's cache are dropped at the start of the next round; only
+committed pairs persist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from eagle_lab.head import EagleHead, HeadKVCache, draft_lm_head_weight
+from eagle_lab.target import Target, tree_attention_mask
+from eagle_lab.tree import DraftTree, build_tree, root_only_tree, select_best
+
+
+@dataclass
+class TreeShape:
+    depth: int = 4  # levels of draft tokens below the root
+    topk: int = 4  # children per expanded node, and frontier width
+    total_tokens: int = 12  # draft tokens kept (root excluded)
+
+    def __post_init__(self):
+        from eagle_lab.errors import EagleLabError
+
+        if self.depth < 0 or self.topk < 1 or self.total_tokens < 0:
+            raise EagleLabError(f"tree needs depth >= 0, topk >= 1, total_tokens >= 0; got {self}")
+
+
+class Drafter(Protocol):
+    def reset(self) -> None: ...
+
+    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+        """sequence: [T] committed tokens, the last one the root; new_features: [P, H]
+        target features at positions T-1-P .. T-2 (those the drafter has not seen)."""
+        ...
+
+
+class EagleDrafter:
+    def __init__(self, head: EagleHead, target: Target, shape: TreeShape):
+        self.head, self.target, self.shape = head.eval(), target, shape
+        self.rotary = target.backbone.rotary_emb
+        self.lm_weight = draft_lm_head_weight(head, target)  # [Vd, H]
+        self.cache = HeadKVCache()
+        self.committed = 0  # pairs in the head cache that belong to the committed sequence
+
+    def reset(self) -> None:
+        self.cache = HeadKVCache()
+        self.committed = 0
+
+    def _step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask):
+        """tokens [1, T], features [1, T, H], positions [1, T] -> hidden [1, T, H]."""
+        embeds = self.target.embed_tokens(tokens)  # [1, T, H]
+        cos, sin = self.rotary(embeds, positions)  # [1, T, D] each
+        return self.head(embeds, features, cos, sin, self.cache, mask)
+
+    def _top_children(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [F, H] -> (log-probs [F, k], target token ids [F, k]) of each node's top-k."""
+        logp = self.head.draft_logits(hidden, self.lm_weight).float().log_softmax(-1)  # [F, Vd]
+        top = logp.topk(k, dim=-1)
+        return top.values, self.head.draft_to_target[top.indices]
+
+    @torch.no_grad()
+    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+        device = sequence.device
+        root = int(sequence[-1])
+        depth = min(self.shape.depth, max_depth)
+        if depth < 1 or self.shape.total_tokens < 1:
+            self._commit(sequence, new_features)  # keep the head cache in step even without a tree
+            return root_only_tree(root, device)
+        hidden = self._commit(sequence, new_features)[:, -1]  # [1, H] predicted feature at the root
+        k = min(self.shape.topk, self.head.arch.draft_vocab_size)
+        scores, tokens = self._top_children(hidden, k)  # [1, k] each
+        all_scores, all_tokens = [scores.flatten()], [tokens.flatten()]
+        all_parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
+        frontier = torch.arange(k, device=device)  # candidate ids of the frontier
+        frontier_scores, frontier_tokens = scores.flatten(), tokens.flatten()  # [k]
+        parent_hidden = hidden.expand(k, -1)  # [k, H] feature each frontier node is predicted from
+        ancestry = torch.zeros(k, 0, dtype=torch.bool, device=device)  # [k, draft entries so far]
+        n_candidates = k
+        for level in range(1, depth):
+            entries = ancestry.shape[1]
+            visible = torch.cat([ancestry, torch.eye(k, dtype=torch.bool, device=device)], dim=1)  # [k, E + k]
+            full = torch.ones(k, self.committed + entries + k, dtype=torch.bool, device=device)
+            full[:, self.committed:] = visible
+            mask = torch.zeros(full.shape, dtype=hidden.dtype, device=device)
+            mask.masked_fill_(~full, torch.finfo(hidden.dtype).min)
+            positions = torch.full((1, k), self.committed + level - 1, device=device)
+            out = self._step(frontier_tokens[None], parent_hidden[None], positions, mask[None, None])[0]  # [k, H]
+            child_logp, child_tokens = self._top_children(out, k)  # [k, k]
+            child_scores = frontier_scores[:, None] + child_logp  # [k, k]
+            all_scores.append(child_scores.flatten())
+            all_tokens.append(child_tokens.flatten())
+            all_parents.append(frontier.repeat_interleave(k))
+            best = child_scores.flatten().topk(k).indices  # [k] flat indices into [k, k]
+            rows = best // k
+            frontier = n_candidates + best
+            n_candidates += k * k
+            frontier_scores, frontier_tokens = child_scores.flatten()[best], child_tokens.flatten()[best]
+            parent_hidden = out[rows]
+            ancestry = visible[rows]
+        kept, parents = select_best(torch.cat(all_scores), torch.cat(all_parents), self.shape.total_tokens)
+        tokens = torch.cat([torch.tensor([root], device=device), torch.cat(all_tokens)[kept]])
+        parents = torch.cat([torch.tensor([-1], device=device), parents])
+        return build_tree(tokens, parents)
+
+    def _commit(self, sequence: torch.Tensor, new_features: torch.Tensor) -> torch.Tensor:
+        """Feed the unseen pairs (feature_t, token_{t+1}); returns the head output [1, P, H]."""
+        self.cache.crop(self.committed)  # forget last round's frontier entries
+        count = new_features.shape[0]
+        tokens = sequence[-count:][None]  # [1, P]
+        positions = torch.arange(self.committed, self.committed + count, device=sequence.device)[None]
+        mask = None
+        if self.committed and count > 1:  # causal over the new pairs, full view of the past
+            causal = torch.ones(count, count, dtype=torch.bool, device=sequence.device).tril()
+            mask = tree_attention_mask(causal, self.committed, new_features.dtype)
+        out = self._step(tokens, new_features[None], positions, mask)
+        self.committed += count
+        return out

@@ -1,0 +1,167 @@
+"""The decoding loops: plain autoregressive (the baseline) and speculative (draft + verify).
+
+Both are generators that yield each chunk of accepted tokens as soon as it is known, and
+return a `GenerationStats`; `generate()` drains one into a `GenerationResult`. Stopping
+(eos, stop strings, max_new_tokens, context limit) lives in `Stopper`, shared by both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle_lab.cache import keep_accepted
+from eagle_lab.draft import Drafter
+from eagle_lab.errors import EagleLabError
+from eagle_lab.sampling import SamplingParams, next_token
+from eagle_lab.target import Target
+from eagle_lab.verify import verify
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    target_forwards: int = 0  # prefill included, so plain decoding has tau = 1
+    rounds: int = 0  # verification rounds
+    accepted_draft_tokens: int = 0
+    tree_tokens: int = 0  # draft tokens scored by the target
+    reached_depth: list[int] = field(default_factory=list)  # rounds whose tree reached depth d (index d-1)
+    accepted_depth: list[int] = field(default_factory=list)  # rounds that accepted >= d drafts
+    stop_reason: str = ""
+    wall_s: float = 0.0
+
+    @property
+    def accept_length(self) -> float:
+        """tau: tokens emitted per target forward, bonus token included."""
+        return self.new_tokens / max(self.target_forwards, 1)
+
+    def record_round(self, tree_depth: int, accepted: int, tree_tokens: int) -> None:
+        for counts, upto in ((self.reached_depth, tree_depth), (self.accepted_depth, accepted)):
+            counts.extend([0] * (upto - len(counts)))
+            for d in range(upto):
+                counts[d] += 1
+        self.rounds += 1
+        self.accepted_draft_tokens += accepted
+        self.tree_tokens += tree_tokens
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    stats: GenerationStats
+
+
+class Stopper:
+    """Decides where generation ends: eos, a stop string, max_new_tokens."""
+
+    def __init__(self, tokenizer, max_new_tokens: int, eos_ids: set[int], stop: Sequence[str] = ()):
+        if max_new_tokens < 1:
+            raise EagleLabError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.tokenizer, self.max_new_tokens, self.eos_ids = tokenizer, max_new_tokens, set(eos_ids)
+        self.stop = [s for s in stop if s]
+        self.generated: list[int] = []
+
+    def accept(self, tokens: list[int]) -> tuple[list[int], str]:
+        """Cut `tokens` where generation must end; returns (tokens to emit, reason or '')."""
+        emitted: list[int] = []
+        for token in tokens:
+            emitted.append(token)
+            self.generated.append(token)
+            if token in self.eos_ids:
+                return emitted, "eos"
+            if self.stop and self._hit_stop_string():
+                return emitted, "stop"
+            if len(self.generated) >= self.max_new_tokens:
+                return emitted, "length"
+        return emitted, ""
+
+    def _hit_stop_string(self) -> bool:
+        longest = max(len(s) for s in self.stop)
+        tail = self.tokenizer.decode(self.generated[-(longest + 8):], skip_special_tokens=False)
+        return any(s in tail for s in self.stop)
+
+
+def _check_prompt(target: Target, prompt_ids: torch.Tensor) -> None:
+    if prompt_ids.numel() == 0:
+        raise EagleLabError("the prompt is empty")
+    if prompt_ids.numel() > target.max_context:
+        raise EagleLabError(
+            f"the prompt has {prompt_ids.numel()} tokens, more than the target's context of {target.max_context}"
+        )
+
+
+def vanilla_decode(
+    target: Target, prompt_ids: torch.Tensor, params: SamplingParams, stopper: Stopper,
+    generator: torch.Generator | None = None,
+) -> Generator[list[int], None, GenerationStats]:
+    """Plain decoding: one target forward per token. prompt_ids: [T]."""
+    _check_prompt(target, prompt_ids)
+    stats, start = GenerationStats(), time.perf_counter()
+    cache = target.new_cache()
+    features = target.forward(prompt_ids[None], cache).features  # [1, T, H]
+    length = prompt_ids.numel()
+    while True:
+        stats.target_forwards += 1
+        token = next_token(target.logits(features[0, -1]), params, generator)
+        emitted, reason = stopper.accept([token])
+        stats.new_tokens += len(emitted)
+        yield emitted
+        if not reason and length >= target.max_context:
+            reason = "context"
+        if reason:
+            break
+        features = target.forward(torch.tensor([[token]], device=target.device), cache).features  # [1, 1, H]
+        length += 1
+    stats.stop_reason, stats.wall_s = reason, time.perf_counter() - start
+    return stats
+
+
+def speculative_decode(
+    target: Target, drafter: Drafter, prompt_ids: torch.Tensor, params: SamplingParams, stopper: Stopper,
+    generator: torch.Generator | None = None,
+) -> Generator[list[int], None, GenerationStats]:
+    """Draft a tree, score it in one target forward, keep the accepted path. prompt_ids: [T]."""
+    _check_prompt(target, prompt_ids)
+    stats, start = GenerationStats(), time.perf_counter()
+    cache = target.new_cache()
+    drafter.reset()
+    new_features = target.forward(prompt_ids[None], cache).features[0]  # [T, H]
+    stats.target_forwards += 1
+    root = next_token(target.logits(new_features[-1]), params, generator)
+    emitted, reason = stopper.accept([root])
+    stats.new_tokens += len(emitted)
+    yield emitted
+    sequence = torch.cat([prompt_ids, torch.tensor([root], device=prompt_ids.device)])  # [T + 1]
+    while not reason:
+        past = sequence.numel() - 1  # the root is not in the target cache yet
+        if past >= target.max_context:
+            reason = "context"
+            break
+        tree = drafter.draft(sequence, new_features, max_depth=target.max_context - 1 - past)
+        positions = (past + tree.depths)[None]  # [1, N]
+        features = target.forward(tree.tokens[None], cache, positions, tree.mask).features[0]  # [N, H]
+        stats.target_forwards += 1
+        accepted, bonus = verify(tree, target.logits(features), params, generator)  # [L + 1], int
+        keep_accepted(cache, past, accepted)
+        new_features = features[accepted]  # [L + 1, H]
+        new_tokens = tree.tokens[accepted[1:]].tolist() + [bonus]
+        stats.record_round(tree.max_depth, accepted.numel() - 1, tree.size - 1)
+        emitted, reason = stopper.accept(new_tokens)
+        stats.new_tokens += len(emitted)
+        yield emitted
+        sequence = torch.cat([sequence, torch.tensor(new_tokens, device=sequence.device)])
+    stats.stop_reason, stats.wall_s = reason, time.perf_counter() - start
+    return stats
+
+
+def generate(decoder: Generator[list[int], None, GenerationStats]) -> GenerationResult:
+    """Drain a decoding generator (non-streaming use)."""
+    tokens: list[int] = []
+    while True:
+        try:
+            tokens.extend(next(decoder))
+        except StopIteration as done:
+            return GenerationResult(token_ids=tokens, stats=done.value)

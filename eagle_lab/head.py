@@ -1,0 +1,237 @@
+"""The EAGLE draft head: fc over [embed(next token); feature], then one decoder layer.
+
+It predicts the target's next top-layer feature. It owns no embeddings: token embeddings
+and rotary tables come from the frozen target, and with the full vocabulary the target's
+LM head turns predicted features into draft logits. With a reduced draft vocabulary
+(`draft_vocab_size`), the LM head is the target's rows for the kept tokens, stored as a
+draft-to-target id map only (the rows themselves are read from the target at load time).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from eagle_lab.errors import EagleLabError
+
+log = logging.getLogger(__name__)
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+
+
+@dataclass
+class HeadArchitecture:
+    """Everything needed to rebuild a head, saved as config.json next to the weights."""
+
+    kind: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    attention_bias: bool
+    vocab_size: int  # the target's
+    draft_vocab_size: int  # == vocab_size when the draft uses the full vocabulary
+    target_model_type: str
+
+    @classmethod
+    def for_target(cls, target, kind: str = "eagle2", draft_vocab_size: int = 0) -> "HeadArchitecture":
+        c = target.config
+        heads = c.num_attention_heads
+        return cls(
+            kind=kind,
+            hidden_size=c.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate_size=c.intermediate_size,
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            attention_bias=bool(getattr(c, "attention_bias", False)) or c.model_type == "qwen2",
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size or target.vocab_size,
+            target_model_type=c.model_type,
+        )
+
+    def check_matches(self, target) -> None:
+        """Refuse a head trained for a different target, with the reason."""
+        problems = []
+        if self.hidden_size != target.hidden_size:
+            problems.append(f"hidden size {self.hidden_size} != target's {target.hidden_size}")
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocabulary {self.vocab_size} != target's {target.vocab_size}")
+        if self.target_model_type != target.model_type:
+            problems.append(f"family '{self.target_model_type}' != target's '{target.model_type}'")
+        if problems:
+            raise EagleLabError(f"head does not fit target '{target.name}': " + "; ".join(problems))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class HeadKVCache:
+    """The head's own key/value cache: [B, kvH, T, D] tensors that grow and get cropped."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=2)
+            self.values = torch.cat([self.values, values], dim=2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        if self.keys is not None and self.keys.shape[2] > length:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: HeadArchitecture, input_size: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        bias = arch.attention_bias
+        self.q_proj = nn.Linear(input_size, arch.num_heads * arch.head_dim, bias=bias)
+        self.k_proj = nn.Linear(input_size, arch.num_kv_heads * arch.head_dim, bias=bias)
+        self.v_proj = nn.Linear(input_size, arch.num_kv_heads * arch.head_dim, bias=bias)
+        self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache: HeadKVCache | None, mask: torch.Tensor | None):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nH, T, D]
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kvH, T, D]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kvH, T, D]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.append(k, v)  # [B, kvH, S, D]
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, nH, S, D]
+        causal = mask is None and t > 1 and k.shape[2] == t
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # [B, nH, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm decoder layer without input norm (EAGLE-1/2: fc output goes in raw)."""
+
+    def __init__(self, arch: HeadArchitecture):
+        super().__init__()
+        self.self_attn = Attention(arch, arch.hidden_size)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
+
+    def forward(self, x, cos, sin, cache, mask):
+        x = x + self.self_attn(x, cos, sin, cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class EagleHead(nn.Module):
+    """features [B, T, H] + next-token embeddings [B, T, H] -> predicted next features [B, T, H]."""
+
+    def __init__(self, arch: HeadArchitecture):
+        super().__init__()
+        self.arch = arch
+        self.fc = nn.Linear(2 * arch.hidden_size, arch.hidden_size, bias=True)
+        self.layer = DecoderLayer(arch)
+        # draft id -> target id; identity when the draft uses the full vocabulary
+        self.register_buffer("draft_to_target", torch.arange(arch.draft_vocab_size), persistent=True)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.arch.draft_vocab_size != self.arch.vocab_size
+
+    def forward(self, token_embeds, features, cos, sin, cache: HeadKVCache | None = None, mask=None):
+        """mask: None (causal) or additive float [1 or B, 1, T, S] over cached + new keys."""
+        x = self.fc(torch.cat([token_embeds, features], dim=-1))  # [B, T, 2H] -> [B, T, H]
+        return self.layer(x, cos, sin, cache, mask)
+
+    def draft_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., Vd] using the target's LM-head rows of the draft vocabulary."""
+        return F.linear(hidden, lm_head_weight)
+
+
+def draft_lm_head_weight(head: EagleHead, target) -> torch.Tensor:
+    """[Vd, H]: the target's LM-head rows for the draft vocabulary (a view when full)."""
+    weight = target.lm_head.weight
+    return weight.index_select(0, head.draft_to_target) if head.reduced_vocab else weight
+
+
+def new_head(target, kind: str = "eagle2", draft_vocab_ids: torch.Tensor | None = None, seed: int = 0) -> EagleHead:
+    size = 0 if draft_vocab_ids is None else draft_vocab_ids.numel()
+    arch = HeadArchitecture.for_target(target, kind=kind, draft_vocab_size=size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = EagleHead(arch)
+    if draft_vocab_ids is not None:
+        head.draft_to_target.copy_(draft_vocab_ids.sort().values)
+    return head.to(device=target.device, dtype=target.dtype)
+
+
+def save_head(head: EagleHead, directory: str | Path) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(state, str(directory / (WEIGHTS_NAME + ".tmp")))
+    (directory / (CONFIG_NAME + ".tmp")).write_text(json.dumps(asdict(head.arch), indent=2))
+    (directory / (WEIGHTS_NAME + ".tmp")).replace(directory / WEIGHTS_NAME)
+    (directory / (CONFIG_NAME + ".tmp")).replace(directory / CONFIG_NAME)
+    return directory
+
+
+def load_head(directory: str | Path, target) -> EagleHead:
+    directory = Path(directory).expanduser()
+    config_file, weights_file = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    if not directory.is_dir():
+        raise EagleLabError(f"head path '{directory}' does not exist or is not a directory")
+    if not config_file.is_file() or not weights_file.is_file():
+        raise EagleLabError(f"head path '{directory}' needs {CONFIG_NAME} and {WEIGHTS_NAME}")
+    try:
+        arch = HeadArchitecture(**json.loads(config_file.read_text()))
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise EagleLabError(f"head config {config_file} is not an eagle_lab head config: {exc}") from exc
+    arch.check_matches(target)
+    head = EagleHead(arch)
+    try:
+        head.load_state_dict(load_file(str(weights_file)))
+    except (RuntimeError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise EagleLabError(f"head weights {weights_file} do not fit its config: {first}") from exc
+    return head.to(device=target.device, dtype=target.dtype).eval()

@@ -1,0 +1,177 @@
+"""The target LLM: any unmodified Hugging Face causal LM, scored with tree attention.
+
+Tree attention goes through the model's own 4-D additive attention mask and `position_ids`
+over its own DynamicCache, so no modeling file is copied. The target never samples: it
+returns features (the LM-head input) and logits, and the loop decides.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from eagle_lab.device import resolve_device, resolve_dtype
+from eagle_lab.errors import EagleLabError
+from eagle_lab.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
+
+log = logging.getLogger(__name__)
+SOURCES = ("embedded", "pretrained", "tiny")
+
+
+@dataclass
+class TargetConfig:
+    name: str = "smollm2_135m"
+    source: str = "embedded"  # embedded | pretrained | tiny
+    path: str = ""  # pretrained: a local directory or a hub id
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    device: str = "auto"
+    dtype: str = "auto"
+    max_context: int = 0  # 0: the model's max_position_embeddings
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class TargetOutput:
+    features: torch.Tensor  # [B, K, H] top hidden state, the LM-head input
+    layer_features: torch.Tensor | None = None  # [B, K, n*H] chosen layers (EAGLE-3)
+
+
+class Target:
+    """A frozen causal LM plus its tokenizer, with the few operations decoding needs."""
+
+    def __init__(self, model, tokenizer, name: str, max_context: int = 0):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self.backbone = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.embed_tokens = model.get_input_embeddings()
+        model_limit = getattr(self.config, "max_position_embeddings", 0) or 1 << 30
+        self.max_context = min(max_context, model_limit) if max_context > 0 else model_limit
+        params = inspect.signature(self.backbone.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.config):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: DynamicCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        layer_ids: tuple[int, ...] = (),
+    ) -> TargetOutput:
+        """Score `input_ids` [B, K] after the cached prefix.
+
+        tree_mask: [K, K] bool, True where node i may attend to node j (ancestors and
+        itself); None means plain causal attention.
+        layer_ids: also return these decoder layers' outputs, concatenated (EAGLE-3).
+        """
+        kwargs = {self._cache_kwarg: cache, "use_cache": cache is not None}
+        if tree_mask is not None:
+            past = cache.get_seq_length() if cache is not None else 0
+            kwargs["attention_mask"] = tree_attention_mask(tree_mask, past, self.dtype)
+        if layer_ids:
+            kwargs["output_hidden_states"] = True
+        out = self.backbone(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        layer_features = None
+        if layer_ids:
+            # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1]
+            layer_features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        return TargetOutput(features=out.last_hidden_state, layer_features=layer_features)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V] in float32 (sampling and acceptance need full precision)."""
+        return self.lm_head(features).float()
+
+
+def tree_attention_mask(tree_mask: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[K, K] bool -> [1, 1, K, past_len + K] additive mask: the prefix is visible to all."""
+    k = tree_mask.shape[0]
+    allowed = torch.ones(k, past_len + k, dtype=torch.bool, device=tree_mask.device)
+    allowed[:, past_len:] = tree_mask
+    mask = torch.zeros(k, past_len + k, dtype=dtype, device=tree_mask.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.view(1, 1, k, past_len + k)
+
+
+def load_target(cfg: TargetConfig) -> Target:
+    if cfg.source not in SOURCES:
+        raise EagleLabError(f"unknown target source '{cfg.source}' (choose from {', '.join(SOURCES)})")
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.source == "tiny":
+        model, tokenizer = build_tiny_model(cfg.tiny), byte_tokenizer()
+    else:
+        path = cfg.path
+        if cfg.source == "embedded":
+            from eagle_lab.embedded import smollm2_dir
+
+            path = str(smollm2_dir())
+        if not path:
+            raise EagleLabError(f"target '{cfg.name}' has source=pretrained but no target.path")
+        model, tokenizer = _load_pretrained(path, dtype, cfg)
+    model = model.to(device=device, dtype=dtype)
+    log.info("target %s: %s, %d layers, hidden %d, vocab %d on %s/%s", cfg.name, model.config.model_type,
+             model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size, device, dtype)
+    return Target(model, tokenizer, cfg.name, cfg.max_context)
+
+
+def _load_pretrained(path: str, dtype: torch.dtype, cfg: TargetConfig):
+    local = Path(path).expanduser()
+    if (path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
+        raise EagleLabError(f"target path '{path}' is not a model directory (no config.json there)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(local) if local.exists() else path, dtype=dtype,
+            attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else path,
+                                                  trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EagleLabError(f"could not load target '{path}': {first_line}") from exc
+    return model, tokenizer

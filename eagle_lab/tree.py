@@ -1,0 +1,99 @@
+"""Draft-tree bookkeeping as pure tensor functions.
+
+A tree of N nodes is given by `parents` [N] (node 0 is the root, parents[0] = -1, every
+parent index is smaller than its child's). From it follow:
+  depths            [N]        root 0
+  ancestor mask     [N, N]     mask[i, j] = j is i or an ancestor of i (tree attention)
+  retrieve_indices  [L, D + 1] one row per leaf: node indices from the root down, -1 padded
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [N] token ids, node 0 = root (already chosen by the target)
+    parents: torch.Tensor  # [N] parent node index, -1 for the root
+    depths: torch.Tensor  # [N]
+    mask: torch.Tensor  # [N, N] bool ancestor-or-self
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max())
+
+
+def build_tree(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:
+    depths = node_depths(parents)
+    return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=ancestor_mask(parents, depths))
+
+
+def root_only_tree(root_token: int, device: torch.device) -> DraftTree:
+    return build_tree(torch.tensor([root_token], device=device), torch.tensor([-1], device=device))
+
+
+def node_depths(parents: torch.Tensor) -> torch.Tensor:
+    depths = torch.zeros_like(parents)
+    for i in range(1, parents.numel()):  # parents precede children, so one pass suffices
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+def ancestor_mask(parents: torch.Tensor, depths: torch.Tensor | None = None) -> torch.Tensor:
+    n = parents.numel()
+    depths = node_depths(parents) if depths is None else depths
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
+    rows = torch.arange(n, device=parents.device)
+    ancestor = parents.clone()
+    for _ in range(int(depths.max()) if n > 1 else 0):  # climb one level per step, all nodes at once
+        has = ancestor >= 0
+        mask[rows[has], ancestor[has]] = True
+        ancestor = torch.where(has, parents[ancestor.clamp(min=0)], ancestor)
+    return mask
+
+
+def retrieve_indices(parents: torch.Tensor, depths: torch.Tensor | None = None) -> torch.Tensor:
+    """[L, D + 1]: the root-to-leaf path of every leaf, leaves in node order, -1 padded."""
+    n = parents.numel()
+    depths = node_depths(parents) if depths is None else depths
+    is_parent = torch.zeros(n, dtype=torch.bool, device=parents.device)
+    is_parent[parents[parents >= 0]] = True
+    leaves = torch.nonzero(~is_parent).flatten()  # [L]
+    max_depth = int(depths.max())
+    paths = torch.full((leaves.numel(), max_depth + 1), -1, dtype=torch.long, device=parents.device)
+    node = leaves.clone()
+    for step in range(max_depth + 1):
+        column = depths[leaves] - step  # where `node` sits on each path
+        valid = column >= 0
+        paths[valid.nonzero().flatten(), column[valid]] = node[valid]
+        node = torch.where(valid, parents[node.clamp(min=0)], node)
+    return paths
+
+
+def select_best(scores: torch.Tensor, parents: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the `count` highest-scoring candidates as a tree under a new root.
+
+    scores: [M] cumulative draft log-probabilities (a child never beats its parent);
+    parents: [M] candidate index of each candidate's parent, -1 for the root's children,
+    parents listed before children. Ties keep the earlier candidate, so an ancestor is
+    never dropped while its descendant is kept.
+    Returns (kept candidate indices [n] in candidate order, their parents as node indices
+    of the new tree [n], where the root is node 0 and kept[i] becomes node i + 1).
+    """
+    count = min(count, scores.numel())
+    order = torch.sort(scores, descending=True, stable=True).indices[:count]
+    kept = order.sort().values  # [n] candidate order keeps parents first
+    node_of = torch.full((scores.numel() + 1,), -1, dtype=torch.long, device=scores.device)
+    node_of[kept] = torch.arange(1, count + 1, device=scores.device)
+    node_of[-1] = 0  # parents == -1 (the root) indexes the last slot
+    new_parents = node_of[parents[kept]]
+    if bool((new_parents < 0).any()):
+        raise RuntimeError("tree selection dropped an ancestor; scores must not increase with depth")
+    return kept, new_parents
