@@ -59,6 +59,9 @@ def build_tiny_model(cfg: TinyModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) ->
     if cfg.family not in _FAMILIES:
         raise EagleLabError(f"unknown tiny family '{cfg.family}' (choose from {', '.join(_FAMILIES)})")
     extra = {"sliding_window": None} if cfg.family == "mistral" else {}
+    eos, pad = 256 + SPECIAL_TOKENS.index("<|im_end|>"), 256
+    if vocab_size <= eos:  # a toy vocabulary without the tokenizer's special tokens
+        eos = pad = None
     config = _FAMILIES[cfg.family](
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -69,8 +72,8 @@ def build_tiny_model(cfg: TinyModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) ->
         max_position_embeddings=cfg.max_position_embeddings,
         initializer_range=cfg.init_std,
         tie_word_embeddings=False,
-        eos_token_id=SPECIAL_TOKENS.index("<|im_end|>") + 256,
-        pad_token_id=256,
+        eos_token_id=eos,
+        pad_token_id=pad,
         bos_token_id=None,
         **extra,
     )

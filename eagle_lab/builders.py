@@ -1,0 +1,60 @@
+"""Builders: configs -> ready objects (head, drafter, decoder). Shared by serve and bench."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from eagle_lab.config import HeadConfig
+from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.errors import EagleLabError
+from eagle_lab.generate import Stopper, speculative_decode, vanilla_decode
+from eagle_lab.head import EagleHead, load_head, new_head
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import Target
+
+log = logging.getLogger(__name__)
+PACKAGED_HEADS = Path(__file__).parent / "assets" / "heads"
+METHODS = ("eagle", "vanilla")
+
+
+def packaged_head_dir(target_name: str) -> Path | None:
+    candidate = PACKAGED_HEADS / target_name
+    return candidate if (candidate / "config.json").is_file() else None
+
+
+def build_head(cfg: HeadConfig, target: Target) -> EagleHead:
+    path = cfg.path
+    if path == "":
+        packaged = packaged_head_dir(target.name)
+        path = str(packaged) if packaged else "random"
+    if path == "random":
+        log.warning("!" * 72)
+        log.warning("NO TRAINED HEAD for target '%s': drafting with a RANDOM head. Output is still exact,", target.name)
+        log.warning("but almost no draft is accepted (tau ~ 1). Train one with train.py; pass head.path=DIR.")
+        log.warning("!" * 72)
+        if cfg.kind != "eagle2":
+            raise EagleLabError(f"unknown head kind '{cfg.kind}' (available: eagle2)")
+        return new_head(target, kind=cfg.kind, seed=cfg.seed)
+    head = load_head(path, target)
+    log.info("head %s (%s, draft vocab %d)", path, head.arch.kind, head.arch.draft_vocab_size)
+    return head
+
+
+def build_decoder(method: str, target: Target, drafter: EagleDrafter | None, prompt_ids: torch.Tensor,
+                  params: SamplingParams, stopper: Stopper, generator: torch.Generator | None):
+    if method == "vanilla":
+        return vanilla_decode(target, prompt_ids, params, stopper, generator)
+    if method == "eagle":
+        return speculative_decode(target, drafter, prompt_ids, params, stopper, generator)
+    raise EagleLabError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
+
+
+def build_drafter(head: EagleHead, target: Target, shape: TreeShape) -> EagleDrafter:
+    return EagleDrafter(head, target, TreeShape(shape.depth, shape.topk, shape.total_tokens))
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)

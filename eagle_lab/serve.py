@@ -1,0 +1,119 @@
+"""`python serve.py`: generate with a target and an EAGLE head, streamed or as JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from omegaconf import DictConfig
+
+from eagle_lab.builders import build_decoder, build_drafter, build_head, make_generator
+from eagle_lab.config import ServeConfig, to_object
+from eagle_lab.errors import EagleLabError
+from eagle_lab.generate import Stopper
+from eagle_lab.prompts import as_tensor, encode_prompt, read_prompts_file
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import load_target
+
+log = logging.getLogger(__name__)
+
+
+class TextStream:
+    """Prints decoded text as tokens arrive, holding back what a stop string may still cut."""
+
+    def __init__(self, tokenizer, stop: list[str], out=sys.stdout):
+        self.tokenizer, self.stop, self.out = tokenizer, [s for s in stop if s], out
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def text(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cuts = [text.find(s) for s in self.stop if s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def push(self, tokens: list[int]) -> None:
+        self.ids.extend(tokens)
+        text = self.text()
+        upto = len(text) - self.hold
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+            upto = min(upto, len(text) - 1)
+        if upto > self.printed:
+            self.out.write(text[self.printed: upto])
+            self.out.flush()
+            self.printed = upto
+
+    def finish(self) -> str:
+        text = self.text()
+        self.out.write(text[self.printed:] + "\n")
+        self.out.flush()
+        return text
+
+
+def gather_prompts(cfg: ServeConfig) -> list:
+    if cfg.prompts_file:
+        return read_prompts_file(cfg.prompts_file)
+    if not cfg.prompt.strip():
+        raise EagleLabError("nothing to generate: give prompt=TEXT or prompts_file=FILE.jsonl (the prompt is empty)")
+    return [cfg.prompt]
+
+
+def validate(cfg: ServeConfig) -> SamplingParams:
+    if cfg.output not in ("text", "json"):
+        raise EagleLabError(f"output must be text or json, got '{cfg.output}'")
+    if cfg.mode not in ("generate", "bench"):
+        raise EagleLabError(f"mode must be generate or bench, got '{cfg.mode}'")
+    if cfg.method not in ("eagle", "vanilla"):
+        raise EagleLabError(f"method must be eagle or vanilla, got '{cfg.method}'")
+    if cfg.max_new_tokens < 1:
+        raise EagleLabError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+
+
+def run(raw: DictConfig) -> None:
+    cfg: ServeConfig = to_object(raw, ServeConfig)
+    params = validate(cfg)
+    if cfg.mode == "bench":
+        from eagle_lab.bench import run_bench
+
+        run_bench(cfg)
+        return
+    prompts = gather_prompts(cfg)
+    target = load_target(cfg.target)
+    encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]  # checked before any work
+    drafter = build_drafter(build_head(cfg.head, target), target, cfg.tree) if cfg.method == "eagle" else None
+    eos = set() if cfg.ignore_eos else target.eos_token_ids
+    for index, ids in enumerate(encoded):
+        generator = make_generator(cfg.seed, target.device)
+        stopper = Stopper(target.tokenizer, cfg.max_new_tokens, eos, cfg.stop)
+        decoder = build_decoder(cfg.method, target, drafter, as_tensor(ids, target.device), params, stopper, generator)
+        stream = TextStream(target.tokenizer, cfg.stop, out=sys.stdout if cfg.output == "text" else _NullOut())
+        while True:
+            try:
+                stream.push(next(decoder))
+            except StopIteration as done:
+                stats = done.value
+                break
+        text = stream.finish()
+        if stats.stop_reason == "context":
+            log.warning("prompt %d: stopped at the target's context limit (%d tokens)", index, target.max_context)
+        if cfg.output == "json":
+            print(json.dumps({
+                "index": index, "method": cfg.method, "text": text, "token_ids": stream.ids,
+                "new_tokens": stats.new_tokens, "target_forwards": stats.target_forwards,
+                "accept_length": round(stats.accept_length, 4), "wall_s": round(stats.wall_s, 4),
+                "tokens_per_s": round(stats.new_tokens / max(stats.wall_s, 1e-9), 3),
+                "stop_reason": stats.stop_reason, "prompt_tokens": len(ids),
+            }), flush=True)
+        log.info("prompt %d: %d tokens in %.2fs (%.2f tok/s), %d target forwards, tau %.2f, stop=%s", index,
+                 stats.new_tokens, stats.wall_s, stats.new_tokens / max(stats.wall_s, 1e-9),
+                 stats.target_forwards, stats.accept_length, stats.stop_reason)
+
+
+class _NullOut:
+    def write(self, _text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass

@@ -1,0 +1,20 @@
+"""Generate with a target LLM and an EAGLE draft head: python serve.py prompt="..." [overrides]."""
+
+import hydra
+from omegaconf import DictConfig
+
+from eagle_lab.cli import run_entry
+from eagle_lab.config import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="conf", config_name="serve", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from eagle_lab.serve import run
+
+    run_entry(run, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Greedy speculative output equals plain greedy output, token for token."""
+
+import pytest
+import torch
+
+from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.head import new_head
+from eagle_lab.sampling import SamplingParams
+from tests.conftest import OracleDrafter
+
+GREEDY = SamplingParams()
+
+
+def prompts(count: int, length: int = 16):
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, 256, (length + i,), generator=g) for i in range(count)]
+
+
+def run_both(target, drafter, prompt, new_tokens=48):
+    plain = generate(vanilla_decode(target, prompt, GREEDY, Stopper(target.tokenizer, new_tokens, set())))
+    spec = generate(speculative_decode(target, drafter, prompt, GREEDY, Stopper(target.tokenizer, new_tokens, set())))
+    return plain, spec
+
+
+def test_random_head_matches_plain(tiny_target):
+    drafter = EagleDrafter(new_head(tiny_target, seed=1), tiny_target, TreeShape(depth=4, topk=3, total_tokens=10))
+    for prompt in prompts(3):
+        plain, spec = run_both(tiny_target, drafter, prompt)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.new_tokens == 48 and spec.stats.stop_reason == "length"
+
+
+def test_oracle_drafter_accepts_many_and_matches(tiny_target):
+    drafter = OracleDrafter(tiny_target, depth=4)
+    for prompt in prompts(3):
+        plain, spec = run_both(tiny_target, drafter, prompt)
+        assert spec.token_ids == plain.token_ids
+        # nearly every draft accepted: ~5 tokens per target forward
+        assert spec.stats.accept_length > 3.5, spec.stats
+        assert spec.stats.target_forwards < plain.stats.target_forwards / 3
+
+
+def test_large_tree_matches_plain(tiny_llama):
+    """EAGLE's GPU tree (60 tokens, depth 6, top-10) with a random head."""
+    drafter = EagleDrafter(new_head(tiny_llama, seed=2), tiny_llama, TreeShape(depth=6, topk=10, total_tokens=60))
+    for prompt in prompts(2):
+        plain, spec = run_both(tiny_llama, drafter, prompt, new_tokens=32)
+        assert spec.token_ids == plain.token_ids
+
+
+def test_context_limit_stops_cleanly(tiny_llama):
+    limit_before = tiny_llama.max_context
+    tiny_llama.max_context = 40
+    try:
+        prompt = prompts(1, length=30)[0]
+        plain, spec = run_both(tiny_llama, OracleDrafter(tiny_llama, depth=4), prompt, new_tokens=100)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.stop_reason == plain.stats.stop_reason == "context"
+        assert len(plain.token_ids) == 40 - 30 + 1
+    finally:
+        tiny_llama.max_context = limit_before
+
+
+def test_eos_stops_both(tiny_llama):
+    prompt = prompts(1)[0]
+    plain = generate(vanilla_decode(tiny_llama, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, set())))
+    eos = {plain.token_ids[10]}
+    stop_at = plain.token_ids.index(plain.token_ids[10]) + 1
+    for decoder in (
+        vanilla_decode(tiny_llama, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, eos)),
+        speculative_decode(tiny_llama, OracleDrafter(tiny_llama), prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, eos)),
+    ):
+        result = generate(decoder)
+        assert result.token_ids == plain.token_ids[:stop_at]
+        assert result.stats.stop_reason == "eos"
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_bad_max_new_tokens(tiny_llama, bad):
+    from eagle_lab.errors import EagleLabError
+
+    with pytest.raises(EagleLabError):
+        Stopper(tiny_llama.tokenizer, bad, set())
+
+
+class EagleWithOracleTree:
+    """Runs the EAGLE drafter every round (so its head cache sees real multi-token commits)
+    but proposes the oracle's tree, so several tokens are accepted per round."""
+
+    def __init__(self, eagle, oracle):
+        self.eagle, self.oracle = eagle, oracle
+
+    def reset(self):
+        self.eagle.reset()
+
+    def draft(self, sequence, new_features, max_depth):
+        self.eagle.draft(sequence, new_features, max_depth)
+        return self.oracle.draft(sequence, new_features, max_depth)
+
+
+def test_head_cache_equals_recomputation_after_multi_token_rounds(tiny_target):
+    """After rounds that accept several tokens, the head's committed KV cache must equal a
+    fresh head forward over the whole committed sequence (cache compaction is right)."""
+    from eagle_lab.head import HeadKVCache
+
+    eagle = EagleDrafter(new_head(tiny_target, seed=3), tiny_target, TreeShape(depth=3, topk=2, total_tokens=5))
+    drafter = EagleWithOracleTree(eagle, OracleDrafter(tiny_target, depth=4))
+    prompt = prompts(1)[0]
+    result = generate(speculative_decode(tiny_target, drafter, prompt, GREEDY, Stopper(tiny_target.tokenizer, 30, set())))
+    assert result.stats.accept_length > 3
+    sequence = torch.cat([prompt, torch.tensor(result.token_ids)])
+    committed = eagle.committed  # pairs (f_t, x_{t+1}) for t < committed
+    features = tiny_target.forward(sequence[None]).features  # [1, T, H]
+    fresh = HeadKVCache()
+    embeds = tiny_target.embed_tokens(sequence[1:committed + 1][None])
+    positions = torch.arange(committed)[None]
+    cos, sin = eagle.rotary(embeds, positions)
+    with torch.no_grad():
+        eagle.head(embeds, features[:, :committed], cos, sin, fresh, None)
+    cached = eagle.cache.keys[:, :, :committed]
+    assert cached.shape == fresh.keys.shape
+    torch.testing.assert_close(cached, fresh.keys, atol=1e-4, rtol=1e-4)

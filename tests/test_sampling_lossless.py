@@ -1,0 +1,168 @@
+"""Sampling is lossless: speculative samples follow the target's own distribution.
+
+Each test compares empirical counts with exact probabilities by a chi-square test at
+alpha = 1e-3 (a correct implementation fails one run in a thousand per test; seeds are
+fixed, so a run is reproducible). The negative control shows the same test rejects a
+subtly wrong acceptance rule.
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from eagle_lab.generate import Stopper, generate, speculative_decode
+from eagle_lab.sampling import SamplingParams, target_probs
+from eagle_lab.tree import build_tree
+from eagle_lab.verify import verify_sampling
+from tests.conftest import NoisyDrafter, small_vocab_target
+
+ALPHA = 1e-3
+
+
+def chi_square_pvalue(observed: dict, expected_prob: dict, samples: int) -> float:
+    """Pool bins with expected count < 5; a sample in a zero-probability bin gives p = 0."""
+    if any(count and expected_prob.get(key, 0.0) <= 0 for key, count in observed.items()):
+        return 0.0
+    obs, exp, pool_obs, pool_exp = [], [], 0, 0.0
+    for key, prob in expected_prob.items():
+        if prob <= 0:
+            continue
+        if prob * samples < 5:
+            pool_obs += observed.get(key, 0)
+            pool_exp += prob * samples
+        else:
+            obs.append(observed.get(key, 0))
+            exp.append(prob * samples)
+    if pool_exp > 0:
+        obs.append(pool_obs)
+        exp.append(pool_exp)
+    scale = sum(obs) / sum(exp)
+    return float(chisquare(obs, [e * scale for e in exp]).pvalue)
+
+
+# ---- verification rule alone: exact p per node, many draws --------------------------------
+
+def fixed_tree_case(vocab=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # root -> children tokens 1, 3 ; node1 -> 0, 2 ; node2 -> 4, 1
+    tree = build_tree(torch.tensor([5, 1, 3, 0, 2, 4, 1]), torch.tensor([-1, 0, 0, 1, 1, 2, 2]))
+    probs = torch.distributions.Dirichlet(torch.full((vocab,), 0.8)).sample((tree.size,))  # [N, V]
+    del g
+    return tree, probs
+
+
+def exact_two_step(tree, probs):
+    """P(first emitted, second emitted within the round or None)."""
+    expected = {}
+    root_children = {int(tree.tokens[c]): c for c in range(1, tree.size) if tree.parents[c] == 0}
+    for first in range(probs.shape[1]):
+        p_first = float(probs[0, first])
+        if first in root_children:
+            node = root_children[first]
+            for second in range(probs.shape[1]):
+                expected[(first, second)] = p_first * float(probs[node, second])
+        else:
+            expected[(first, None)] = p_first
+    return expected
+
+
+def sample_two_step(rule, tree, probs, samples, seed):
+    g = torch.Generator().manual_seed(seed)
+    counts = {}
+    for _ in range(samples):
+        accepted, bonus = rule(tree, probs, g)
+        emitted = tree.tokens[accepted[1:]].tolist() + [bonus]
+        key = (emitted[0], emitted[1]) if accepted.numel() > 1 else (emitted[0], None)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_verify_rule_keeps_distribution():
+    torch.manual_seed(0)
+    tree, probs = fixed_tree_case()
+    samples = 20000
+    counts = sample_two_step(verify_sampling, tree, probs, samples, seed=1)
+    assert chi_square_pvalue(counts, exact_two_step(tree, probs), samples) > ALPHA
+
+
+def broken_rule(tree, probs, generator):
+    """Wrong on purpose: a rejected sibling is not removed from the final draw."""
+    node, path = 0, [0]
+    while True:
+        children = [c for c in range(tree.size) if tree.parents[c] == node]
+        for child in children:
+            if torch.rand((), generator=generator) < probs[node, tree.tokens[child]]:
+                node = child
+                path.append(child)
+                break
+        else:
+            return torch.tensor(path), int(torch.multinomial(probs[node], 1, generator=generator))
+
+
+def test_negative_control_detects_a_wrong_rule():
+    torch.manual_seed(0)
+    tree, probs = fixed_tree_case()
+    samples = 20000
+    counts = sample_two_step(broken_rule, tree, probs, samples, seed=1)
+    assert chi_square_pvalue(counts, exact_two_step(tree, probs), samples) < ALPHA
+
+
+# ---- whole loop on a small-vocabulary target ----------------------------------------------
+
+def exact_sequence_probs(target, prompt, params, length):
+    vocab = target.vocab_size
+    prefix_probs = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for prefix, prob in prefix_probs.items():
+            context = torch.cat([prompt, torch.tensor(prefix, dtype=torch.long)])
+            logits = target.logits(target.forward(context[None]).features[0, -1])
+            p = target_probs(logits, params)
+            for token in range(vocab):
+                if p[token] > 0:
+                    nxt[prefix + (token,)] = prob * float(p[token])
+        prefix_probs = nxt
+    return prefix_probs
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=3),
+    SamplingParams(temperature=1.0, top_p=0.8),
+], ids=["t1", "t0.7-topk3", "topp0.8"])
+def test_speculative_sampling_matches_target(params):
+    target = small_vocab_target()
+    prompt = torch.tensor([1, 4, 2, 0])
+    length, samples = 3, 3000
+    drafter = NoisyDrafter(target, depth=2, topk=2, noise=1.0, seed=5)
+    g = torch.Generator().manual_seed(11)
+    counts, accepted_any = {}, 0
+    for _ in range(samples):
+        result = generate(speculative_decode(target, drafter, prompt, params, Stopper(target.tokenizer, length, set()), g))
+        key = tuple(result.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        accepted_any += result.stats.accepted_draft_tokens > 0
+    # the draft must be useful but imperfect for the test to mean something
+    assert 0.2 * samples < accepted_any < samples
+    expected = exact_sequence_probs(target, prompt, params, length)
+    assert chi_square_pvalue(counts, expected, samples) > ALPHA
+
+
+def test_eagle_drafter_sampling_matches_target():
+    """The real EAGLE drafter (random head: on 5 tokens it is right often enough)."""
+    from eagle_lab.draft import EagleDrafter, TreeShape
+    from eagle_lab.head import new_head
+
+    target = small_vocab_target()
+    params = SamplingParams(temperature=0.9)
+    prompt = torch.tensor([1, 4, 2, 0])
+    length, samples = 3, 3000
+    drafter = EagleDrafter(new_head(target, seed=4), target, TreeShape(depth=2, topk=2, total_tokens=4))
+    g = torch.Generator().manual_seed(12)
+    counts, accepted_any = {}, 0
+    for _ in range(samples):
+        result = generate(speculative_decode(target, drafter, prompt, params, Stopper(target.tokenizer, length, set()), g))
+        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+        accepted_any += result.stats.accepted_draft_tokens > 0
+    assert 0.1 * samples < accepted_any < samples
+    assert chi_square_pvalue(counts, exact_sequence_probs(target, prompt, params, length), samples) > ALPHA
