@@ -58,11 +58,12 @@ class EagleDrafter:
         self.cache = HeadKVCache()
         self.committed = 0
 
-    def _step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask):
-        """tokens [1, T], features [1, T, H], positions [1, T] -> hidden [1, T, H]."""
+    def _step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask,
+              from_draft: bool = False):
+        """tokens [1, T], features [1, T, F], positions [1, T] -> hidden [1, T, H]."""
         embeds = self.target.embed_tokens(tokens)  # [1, T, H]
         cos, sin = self.rotary(embeds, positions)  # [1, T, D] each
-        return self.head(embeds, features, cos, sin, self.cache, mask)
+        return self.head(embeds, features, cos, sin, self.cache, mask, from_draft)
 
     def _top_children(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [F, H] -> (log-probs [F, k], target token ids [F, k]) of each node's top-k."""
@@ -96,7 +97,7 @@ class EagleDrafter:
             mask = torch.zeros(full.shape, dtype=hidden.dtype, device=device)
             mask.masked_fill_(~full, torch.finfo(hidden.dtype).min)
             positions = torch.full((1, k), self.committed + level - 1, device=device)
-            out = self._step(frontier_tokens[None], parent_hidden[None], positions, mask[None, None])[0]  # [k, H]
+            out = self._step(frontier_tokens[None], parent_hidden[None], positions, mask[None, None], True)[0]  # [k, H]
             child_logp, child_tokens = self._top_children(out, k)  # [k, k]
             child_scores = frontier_scores[:, None] + child_logp  # [k, k]
             all_scores.append(child_scores.flatten())

@@ -122,17 +122,25 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(input_size, arch.num_kv_heads * arch.head_dim, bias=bias)
         self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache: HeadKVCache | None, mask: torch.Tensor | None):
+    def project(self, x, cos, sin):
+        """x [B, T, In] -> rotated q [B, nH, T, D], k and v [B, kvH, T, D]."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, nH, T, D]
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kvH, T, D]
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, kvH, T, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def expand_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        """[B, kvH, S, D] -> [B, nH, S, D] (grouped-query attention)."""
+        return kv.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+
+    def forward(self, x, cos, sin, cache: HeadKVCache | None, mask: torch.Tensor | None):
+        b, t, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         if cache is not None:
             k, v = cache.append(k, v)  # [B, kvH, S, D]
-        groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [B, nH, S, D]
+        k, v = self.expand_kv(k), self.expand_kv(v)  # [B, nH, S, D]
         causal = mask is None and t > 1 and k.shape[2] == t
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)  # [B, nH, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, H]
@@ -159,7 +167,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch.hidden_size, arch.intermediate_size)
 
     def forward(self, x, cos, sin, cache, mask):
-        x = x + self.self_attn(x, cos, sin, cache, mask)
+        return self.finish(x, self.self_attn(x, cos, sin, cache, mask))
+
+    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Everything after attention: residual add, then the MLP block."""
+        x = residual + attn_out
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -178,10 +190,20 @@ class EagleHead(nn.Module):
     def reduced_vocab(self) -> bool:
         return self.arch.draft_vocab_size != self.arch.vocab_size
 
-    def forward(self, token_embeds, features, cos, sin, cache: HeadKVCache | None = None, mask=None):
-        """mask: None (causal) or additive float [1 or B, 1, T, S] over cached + new keys."""
+    def inputs(self, token_embeds: torch.Tensor, features: torch.Tensor, from_draft: bool = False):
+        """-> (attention input [B, T, In], residual stream [B, T, H]).
+
+        from_draft: the features are this head's own earlier outputs, not the target's
+        (the same for EAGLE-2; EAGLE-3 projects only target features).
+        """
         x = self.fc(torch.cat([token_embeds, features], dim=-1))  # [B, T, 2H] -> [B, T, H]
-        return self.layer(x, cos, sin, cache, mask)
+        return x, x
+
+    def forward(self, token_embeds, features, cos, sin, cache: HeadKVCache | None = None, mask=None,
+                from_draft: bool = False):
+        """mask: None (causal) or additive float [1 or B, 1, T, S] over cached + new keys."""
+        attn_in, residual = self.inputs(token_embeds, features, from_draft)
+        return self.layer.finish(residual, self.layer.self_attn(attn_in, cos, sin, cache, mask))
 
     def draft_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., Vd] using the target's LM-head rows of the draft vocabulary."""
