@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from eagle_lab.data import DataConfig
 from eagle_lab.draft import TreeShape
 from eagle_lab.target import TargetConfig
 
@@ -62,9 +63,68 @@ class ServeConfig:
     output: str = "text"  # text (streamed) | json (one object per prompt)
 
 
+@dataclass
+class OptimConfig:
+    lr: float = 5e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    grad_clip: float = 0.5
+
+
+@dataclass
+class LossConfig:
+    reg_weight: float = 1.0  # Smooth-L1 on the predicted feature (EAGLE: 1.0)
+    cls_weight: float = 0.1  # cross-entropy against the target's distribution (EAGLE: 0.1)
+    noise_std: float = 0.05  # std of uniform noise on input features (EAGLE: U(-0.1, 0.1))
+    step_decay: float = 0.8  # weight of unrolled step j is step_decay ** (j - 1) (EAGLE-3)
+
+
+@dataclass
+class TrainerConfig:
+    features: str = "offline"  # offline (capture shards once, then train) | online
+    features_dir: str = ""  # offline shards; "" = <cache>/features/<target>-<data hash>
+    max_steps: int = 1000  # optimizer steps
+    micro_batch_size: int = 4  # sequences per micro-batch
+    grad_accum: int = 1
+    ttt_steps: int = 1  # unrolled draft steps trained per position (EAGLE-3 uses several)
+    eval_depth: int = 5  # draft positions whose top-1 accuracy is measured on held-out data
+    eval_every: int = 200
+    eval_sequences: int = 64
+    log_every: int = 10
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    resume: bool = False
+    stop_at: int = 0  # stop (checkpointed) after this step in this run, e.g. to time-box a session
+    time_limit_min: float = 0.0  # stop (checkpointed) after this many minutes; 0 = no limit
+    seed: int = 0
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 0
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+    bf16: str = "auto"  # auto: on when training on CUDA
+
+
+@dataclass
+class TrainConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    name: str = "default"
+    run_dir: str = ""
+
+
 def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="serve_schema", node=ServeConfig)
+    store.store(name="train_schema", node=TrainConfig)
 
 
 def to_object(cfg: DictConfig, schema: type):

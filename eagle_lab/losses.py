@@ -1,0 +1,94 @@
+"""Training objective and held-out metrics of a draft head.
+
+For every position p the head reads (f_p, x_{p+1}) and predicts f_{p+1}; with unrolled
+steps (EAGLE-3 "training-time test") step j predicts f_{p+1} from its own earlier outputs.
+  loss_j = reg_weight * SmoothL1(f^_{p+1}, f_{p+1})
+         + cls_weight * CE(softmax(LM(f_{p+1})), log_softmax(LM_draft(f^_{p+1})))
+over positions whose f_{p+1} belongs to an assistant token, weighted step_decay ** (j-1).
+The target distribution is restricted to the draft vocabulary (renormalised) when the
+head has a reduced one; verification still uses the full vocabulary, so this only
+changes what the head learns, never the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from eagle_lab.config import LossConfig
+from eagle_lab.head import draft_lm_head_weight
+from eagle_lab.ttt import unrolled_hidden
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T] bool, assistant tokens
+    valid: torch.Tensor  # [B, T] bool, False on padding
+    top: torch.Tensor  # [B, T, H] target top features
+    inputs: torch.Tensor  # [B, T, F] head input features (top, or concatenated layers for EAGLE-3)
+
+
+def _unroll(head, target, batch: Batch, steps: int, noise_std: float):
+    embeds = target.embed_tokens(batch.input_ids[:, 1:])  # [B, T-1, H] embeddings of x_{p+1}
+    feats = batch.inputs[:, :-1].to(embeds.dtype)  # [B, T-1, F]
+    if noise_std > 0:
+        feats = feats + (torch.rand_like(feats) - 0.5) * (noise_std * 12 ** 0.5)  # uniform, std = noise_std
+    positions = torch.arange(embeds.shape[1], device=embeds.device)[None].expand(embeds.shape[0], -1)  # [B, T-1]
+    cos, sin = target.backbone.rotary_emb(embeds, positions)
+    return unrolled_hidden(head, embeds, feats, cos, sin, steps)
+
+
+def _weights(batch: Batch, step: int) -> torch.Tensor:
+    w = (batch.loss_mask[:, 1:] & batch.valid[:, 1:]).float()  # [B, T-1]
+    if step > 1:
+        w[:, : step - 1] = 0.0  # anchors before the sequence start do not exist
+    return w
+
+
+def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: LossConfig, steps: int):
+    """-> (scalar loss, {metric: float}). target_rows: [Vd, H] target LM-head rows of the draft vocab."""
+    outputs = _unroll(head, target, batch, steps, cfg.noise_std)
+    goal = batch.top[:, 1:].to(outputs[0].dtype)  # [B, T-1, H] f_{p+1}
+    with torch.no_grad():
+        p = F.linear(goal, target_rows).float().softmax(-1)  # [B, T-1, Vd]
+        p_top = p.argmax(-1)
+    total, metrics = 0.0, {}
+    for j, hidden in enumerate(outputs, start=1):
+        w = _weights(batch, j)
+        denom = w.sum().clamp(min=1.0)
+        reg = F.smooth_l1_loss(hidden.float(), goal.float(), reduction="none").mean(-1)  # [B, T-1]
+        log_q = head.draft_logits(hidden, target_rows).float().log_softmax(-1)  # [B, T-1, Vd]
+        ce = -(p * log_q).sum(-1)  # [B, T-1]
+        step_loss = ((cfg.reg_weight * reg + cfg.cls_weight * ce) * w).sum() / denom
+        total = total + cfg.step_decay ** (j - 1) * step_loss
+        metrics[f"acc_{j}"] = float(((log_q.argmax(-1) == p_top).float() * w).sum() / denom)
+        metrics[f"reg_{j}"] = float((reg.detach() * w).sum() / denom)
+        metrics[f"ce_{j}"] = float((ce.detach() * w).sum() / denom)
+    return total, metrics
+
+
+@torch.no_grad()
+def heldout_accuracy(head, target, batches, depth: int) -> dict[str, float]:
+    """Top-1 accuracy at draft positions 1..depth against the target's own argmax over the
+    full vocabulary, and the chain tau it implies: 1 + sum_d prod_{i<=d} acc_i."""
+    hits, counts = torch.zeros(depth), torch.zeros(depth)
+    full_rows = target.lm_head.weight
+    rows = draft_lm_head_weight(head, target)
+    for batch in batches:
+        outputs = _unroll(head, target, batch, depth, 0.0)
+        target_token = F.linear(batch.top[:, 1:].to(full_rows.dtype), full_rows).argmax(-1)  # [B, T-1]
+        for j, hidden in enumerate(outputs, start=1):
+            w = _weights(batch, j).bool()
+            draft_ids = head.draft_logits(hidden, rows).argmax(-1)
+            draft_token = head.draft_to_target[draft_ids]
+            hits[j - 1] += ((draft_token == target_token) & w).sum().item()
+            counts[j - 1] += w.sum().item()
+    acc = (hits / counts.clamp(min=1)).tolist()
+    tau, chain = 1.0, 1.0
+    for a in acc:
+        chain *= a
+        tau += chain
+    return {**{f"eval_acc_{j + 1}": a for j, a in enumerate(acc)}, "eval_tau_chain": tau}

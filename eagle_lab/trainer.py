@@ -1,0 +1,324 @@
+"""`python train.py`: capture target features, train a draft head with DeepSpeed, export it.
+
+Recipe shape (torchtune-style): setup -> capture -> train (log, eval, checkpoint) -> export.
+The target is frozen and lives outside the DeepSpeed engine; only the head trains.
+Launch on several GPUs/nodes with `deepspeed train.py ...` or `torchrun ... train.py ...`:
+rank and world size come from the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from eagle_lab import checkpoint as ckpt
+from eagle_lab.config import TrainConfig, to_object
+from eagle_lab.data import build_datasets
+from eagle_lab.embedded import cache_root
+from eagle_lab.errors import EagleLabError
+from eagle_lab.features import Example, ShardStore, capture, compute_features, eagle3_layer_ids, features_key
+from eagle_lab.head import draft_lm_head_weight, new_head, save_head
+from eagle_lab.losses import Batch, heldout_accuracy, training_loss
+from eagle_lab.target import Target, load_target
+
+log = logging.getLogger(__name__)
+
+
+# ---- setup ----------------------------------------------------------------------------------
+
+def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
+    """Single process by default; deepspeed/torchrun launchers set RANK/WORLD_SIZE."""
+    import deepspeed
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def draft_vocabulary(dataset, size: int, vocab_size: int, always: set[int]) -> torch.Tensor | None:
+    """The `size` most frequent target tokens among the supervised (assistant) tokens."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts: Counter = Counter()
+    for row in dataset:
+        counts.update(t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
+    chosen = [t for t in always if t < vocab_size]
+    chosen += [t for t, _ in counts.most_common(size) if t not in always][: size - len(chosen)]
+    if len(chosen) < size:  # tiny data: fill with the lowest unused ids
+        used = set(chosen)
+        chosen += [t for t in range(vocab_size) if t not in used][: size - len(chosen)]
+    total = sum(counts.values())
+    covered = sum(counts[t] for t in chosen)
+    log.info("draft vocabulary: %d of %d tokens cover %.2f%% of supervised tokens", size, vocab_size,
+             100.0 * covered / max(total, 1))
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def deepspeed_config(cfg: TrainConfig, device: torch.device) -> dict:
+    bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and device.type == "cuda")
+    return {
+        "train_micro_batch_size_per_gpu": cfg.trainer.micro_batch_size,
+        "gradient_accumulation_steps": cfg.trainer.grad_accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1 << 30,
+    }
+
+
+def lr_lambda(cfg: TrainConfig):
+    warmup, total, floor = cfg.optim.warmup_steps, max(cfg.trainer.max_steps, 1), cfg.optim.min_lr_ratio
+
+    def scale(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(total - warmup, 1))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return scale
+
+
+# ---- batches --------------------------------------------------------------------------------
+
+def collate(examples: list[Example], device: torch.device, dtype: torch.dtype, use_layers: bool) -> Batch:
+    longest = max(e.input_ids.numel() for e in examples)
+    b = len(examples)
+    width = examples[0].features.shape[-1]
+    in_width = examples[0].layer_features.shape[-1] if use_layers else width
+    ids = torch.zeros(b, longest, dtype=torch.long)
+    mask = torch.zeros(b, longest, dtype=torch.bool)
+    valid = torch.zeros(b, longest, dtype=torch.bool)
+    top = torch.zeros(b, longest, width, dtype=dtype)
+    inputs = top if not use_layers else torch.zeros(b, longest, in_width, dtype=dtype)
+    for i, e in enumerate(examples):
+        n = e.input_ids.numel()
+        ids[i, :n], mask[i, :n], valid[i, :n] = e.input_ids, e.loss_mask, True
+        top[i, :n] = e.features.to(dtype)
+        if use_layers:
+            inputs[i, :n] = e.layer_features.to(dtype)
+    return Batch(ids.to(device), mask.to(device), valid.to(device), top.to(device), inputs.to(device))
+
+
+class ExampleSource:
+    """Examples by index, from captured shards (offline) or computed on demand (online)."""
+
+    def __init__(self, target: Target, dataset, store: ShardStore | None, layer_ids: tuple[int, ...]):
+        self.target, self.dataset, self.store, self.layer_ids = target, dataset, store, layer_ids
+
+    def __len__(self) -> int:
+        return len(self.store) if self.store is not None else len(self.dataset)
+
+    def get(self, indices: list[int]) -> list[Example]:
+        if self.store is not None:
+            return [self.store[i] for i in indices]
+        rows = [self.dataset[i] for i in indices]
+        computed = compute_features(self.target, [r["input_ids"] for r in rows], self.layer_ids)
+        return [Example(torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"], dtype=torch.bool), f, lf)
+                for r, (f, lf) in zip(rows, computed)]
+
+
+def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(count))
+    random.Random(seed * 100003 + epoch).shuffle(order)
+    return order
+
+
+# ---- the recipe ----------------------------------------------------------------------------
+
+class Recipe:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.ckpt_dir = self.run_dir / "ckpt"
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        if cfg.trainer.features not in ("offline", "online"):
+            raise EagleLabError(f"trainer.features must be offline or online, got '{cfg.trainer.features}'")
+        if cfg.trainer.max_steps < 1 or cfg.trainer.micro_batch_size < 1 or cfg.trainer.grad_accum < 1:
+            raise EagleLabError("trainer.max_steps, micro_batch_size and grad_accum must be >= 1")
+        if cfg.head.kind not in ("eagle2", "eagle3"):
+            raise EagleLabError(f"unknown head kind '{cfg.head.kind}' (eagle2 or eagle3)")
+        if ckpt.latest_checkpoint(self.ckpt_dir) and not cfg.trainer.resume:
+            raise EagleLabError(f"{self.run_dir} already has checkpoints: pass trainer.resume=true to continue, "
+                                "or name=<new name> for a fresh run")
+        torch.manual_seed(cfg.trainer.seed)
+        self.target = load_target(cfg.target)
+        self.device = self.target.device
+        self.rank, self.world = init_distributed(cfg.deepspeed.backend, self.device)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            OmegaConf.save(OmegaConf.structured(cfg), self.run_dir / "resolved_config.yaml")
+        train_rows, eval_rows, stats = build_datasets(cfg.data, self.target.tokenizer)
+        self.train_rows, self.eval_rows = train_rows, eval_rows
+        vocab_ids = draft_vocabulary(train_rows, cfg.head.draft_vocab_size, self.target.vocab_size,
+                                     self.target.eos_token_ids)
+        self.layer_ids = self._layer_ids()
+        self.head = self._new_head(vocab_ids).train()
+        self.train_source, self.eval_source = self._sources()
+        self._init_engine()
+
+    def _layer_ids(self) -> tuple[int, ...]:
+        """Decoder layers the head reads (EAGLE-3 fuses three); EAGLE-2 reads only the top."""
+        return eagle3_layer_ids(self.target.num_layers) if self.cfg.head.kind == "eagle3" else ()
+
+    def _new_head(self, vocab_ids):
+        head = new_head(self.target, kind=self.cfg.head.kind, draft_vocab_ids=vocab_ids, seed=self.cfg.head.seed)
+        return head.float() if self.device.type == "cpu" else head
+
+    def _sources(self):
+        cfg = self.cfg
+        if cfg.trainer.features == "online":
+            return (ExampleSource(self.target, self.train_rows, None, self.layer_ids),
+                    ExampleSource(self.target, self.eval_rows, None, self.layer_ids))
+        root = Path(cfg.trainer.features_dir) if cfg.trainer.features_dir else cache_root() / "features"
+        data_fp = {k: v for k, v in OmegaConf.to_container(OmegaConf.structured(cfg.data)).items() if k != "name"}
+        # Shards always hold EAGLE-3's layers too: one capture then serves both head kinds.
+        capture_layers = eagle3_layer_ids(self.target.num_layers)
+        key = features_key(self.target.name, {**data_fp, "dtype": str(self.target.dtype)}, capture_layers)
+        stores = []
+        for split, rows in (("train", self.train_rows), ("eval", self.eval_rows)):
+            directory = root / key / split
+            capture(self.target, rows, directory, capture_layers, rank=self.rank, world=self.world,
+                    desc=f"capture {split}")
+            self._barrier()
+            stores.append(ShardStore(directory, expected_examples=len(rows), load_layers=bool(self.layer_ids)))
+        log.info("features: %d train examples (%d tokens), %d eval examples in %s", len(stores[0]),
+                 stores[0].tokens, len(stores[1]), root / key)
+        return (ExampleSource(self.target, self.train_rows, stores[0], self.layer_ids),
+                ExampleSource(self.target, self.eval_rows, stores[1], self.layer_ids))
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    def _init_engine(self) -> None:
+        import deepspeed
+
+        cfg = self.cfg
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                      weight_decay=cfg.optim.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        self.engine, _, _, _ = deepspeed.initialize(model=self.head, optimizer=optimizer, lr_scheduler=scheduler,
+                                                    config=deepspeed_config(cfg, self.device))
+        self.step, self.epoch, self.cursor = 0, 0, 0
+        latest = ckpt.latest_checkpoint(self.ckpt_dir) if cfg.trainer.resume else None
+        if latest is not None:
+            _, client = self.engine.load_checkpoint(str(latest), tag=ckpt.TAG)
+            self.step, self.epoch, self.cursor = client["step"], client["epoch"], client["cursor"]
+            torch.set_rng_state(client["torch_rng"])
+            log.info("resumed from %s at step %d", latest, self.step)
+        elif cfg.trainer.resume:
+            log.info("trainer.resume=true but no checkpoint in %s: starting fresh", self.ckpt_dir)
+
+    # ---- loop ----
+    def _next_indices(self) -> list[int]:
+        """The next micro-batch of this rank, walking a seeded per-epoch permutation."""
+        size = self.cfg.trainer.micro_batch_size * self.world
+        order = epoch_order(len(self.train_source), self.cfg.trainer.seed, self.epoch)
+        if self.cursor + size > len(order):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            order = epoch_order(len(self.train_source), self.cfg.trainer.seed, self.epoch)
+        chunk = order[self.cursor: self.cursor + size]
+        self.cursor += size
+        mine = chunk[self.rank::self.world]
+        return mine or chunk[:1]
+
+    def _batch(self, examples: list[Example]) -> Batch:
+        return collate(examples, self.device, self.head.fc.weight.dtype, use_layers=bool(self.layer_ids))
+
+    def train(self) -> None:
+        cfg, tcfg = self.cfg, self.cfg.trainer
+        rows = draft_lm_head_weight(self.head, self.target).detach().to(self.head.fc.weight.dtype)
+        started = time.perf_counter()
+        stop_at = min(tcfg.max_steps, tcfg.stop_at) if tcfg.stop_at > 0 else tcfg.max_steps
+        bar = tqdm(total=tcfg.max_steps, initial=self.step, desc="train", unit="step", disable=self.rank != 0)
+        window_tokens, window_start = 0, time.perf_counter()
+        while self.step < stop_at:
+            metrics: dict[str, float] = {}
+            for _ in range(tcfg.grad_accum):
+                batch = self._batch(self.train_source.get(self._next_indices()))
+                loss, metrics = training_loss(self.engine.module, self.target, rows, batch, cfg.loss, tcfg.ttt_steps)
+                self.engine.backward(loss)
+                self.engine.step()
+                window_tokens += int(batch.valid.sum())
+            self.step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=f"{metrics.get('acc_1', 0):.3f}")
+            if self.step % tcfg.log_every == 0 or self.step == stop_at:
+                elapsed = time.perf_counter() - window_start
+                self._log({"step": self.step, "loss": float(loss.detach()), "lr": self.engine.get_lr()[0],
+                           "tokens_per_s": window_tokens * self.world / max(elapsed, 1e-9), **metrics})
+                window_tokens, window_start = 0, time.perf_counter()
+            if self.step % tcfg.eval_every == 0 or self.step == tcfg.max_steps:
+                self._log({"step": self.step, **self.evaluate()})
+            out_of_time = tcfg.time_limit_min > 0 and time.perf_counter() - started > 60 * tcfg.time_limit_min
+            if self.step % tcfg.save_every == 0 or self.step == stop_at or out_of_time:
+                self.save_checkpoint()
+            if out_of_time:
+                log.info("time limit of %.1f min reached at step %d: checkpointed; resume with "
+                         "trainer.resume=true", tcfg.time_limit_min, self.step)
+                break
+        bar.close()
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.head.eval()
+        count = min(len(self.eval_source), self.cfg.trainer.eval_sequences)
+        size = self.cfg.trainer.micro_batch_size
+        batches = (self._batch(self.eval_source.get(list(range(i, min(count, i + size)))))
+                   for i in range(0, count, size))
+        result = heldout_accuracy(self.head, self.target, batches, self.cfg.trainer.eval_depth)
+        self.head.train()
+        log.info("eval @ step %d: %s", self.step, " ".join(f"{k}={v:.3f}" for k, v in result.items()))
+        return result
+
+    def save_checkpoint(self) -> None:
+        partial = ckpt.partial_path(self.ckpt_dir, self.step)
+        client = {"step": self.step, "epoch": self.epoch, "cursor": self.cursor, "torch_rng": torch.get_rng_state()}
+        self.engine.save_checkpoint(str(partial), tag=ckpt.TAG, client_state=client)
+        self._barrier()
+        if self.rank == 0:
+            final = ckpt.publish(self.ckpt_dir, self.step, self.cfg.trainer.keep_checkpoints)
+            log.info("checkpoint %s", final)
+
+    def export(self) -> Path | None:
+        """Write the head (also after an early stop: a partly trained head still serves)."""
+        if self.rank != 0:
+            return None
+        out = save_head(self.head, self.run_dir / "head")
+        log.info("exported head at step %d/%d -> %s (serve with: python serve.py target=%s head.path=%s)",
+                 self.step, self.cfg.trainer.max_steps, out, self.target.name, out)
+        return out
+
+    def _log(self, record: dict) -> None:
+        if self.rank != 0:
+            return
+        with self.metrics_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def run(raw: DictConfig) -> Path | None:
+    cfg: TrainConfig = to_object(raw, TrainConfig)
+    if not cfg.run_dir:
+        raise EagleLabError("run_dir is empty")
+    recipe = Recipe(cfg)
+    recipe.setup()
+    recipe.train()
+    return recipe.export()
