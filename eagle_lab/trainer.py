@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import random
+import socket
 import time
 from collections import Counter
 from pathlib import Path
@@ -40,13 +41,19 @@ def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
     """Single process by default; deepspeed/torchrun launchers set RANK/WORLD_SIZE."""
     import deepspeed
 
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if "WORLD_SIZE" not in os.environ:  # a plain `python train.py`: one process, any free port
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     deepspeed.init_distributed(dist_backend=backend)
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def draft_vocabulary(dataset, size: int, vocab_size: int, always: set[int]) -> torch.Tensor | None:

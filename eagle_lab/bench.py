@@ -1,0 +1,479 @@
+"""`python serve.py mode=bench`: EAGLE against plain decoding and Hugging Face generate.
+
+One process, one target, the same prompts for every method:
+  vanilla           eagle_lab's plain decoding (the baseline: one target forward per token)
+  eagle             speculative decoding with the configured head and tree
+  hf_greedy         `model.generate` (greedy at T=0, sampling at T>0)
+  hf_prompt_lookup  `model.generate(prompt_lookup_num_tokens=10)`, greedy only
+For each temperature it reports tokens/s, tau (tokens per target forward), speedup over
+vanilla, mean wall time per prompt, EAGLE's acceptance rate at each tree depth and, at
+T=0, how many prompts' greedy outputs differ from vanilla's (all must be identical).
+Results go to results.json, results.md and bench.png in the run directory.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from eagle_lab.bench_data import Prompt, load_bench_prompts
+from eagle_lab.builders import build_decoder, build_drafter, build_head, make_generator, packaged_head_dir
+from eagle_lab.config import ServeConfig
+from eagle_lab.draft import EagleDrafter
+from eagle_lab.errors import EagleLabError
+from eagle_lab.generate import GenerationStats, Stopper, generate
+from eagle_lab.prompts import as_tensor, encode_prompt
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import Target, load_target
+
+log = logging.getLogger(__name__)
+METHODS = ("vanilla", "eagle", "hf_greedy", "hf_prompt_lookup")
+HF_METHODS = ("hf_greedy", "hf_prompt_lookup")
+GREEDY_ONLY = ("hf_prompt_lookup",)
+REFERENCE = "vanilla"
+PROMPT_LOOKUP_TOKENS = 10
+
+
+@dataclass
+class Run:
+    """One method on one prompt."""
+
+    token_ids: list[int]
+    wall_s: float
+    target_forwards: int | None  # None when it could not be counted
+    stop_reason: str
+    stats: GenerationStats | None = None  # eagle_lab methods only
+
+
+@dataclass
+class BenchContext:
+    """What every method run needs: the target, the drafter and the shared settings."""
+
+    cfg: ServeConfig
+    target: Target
+    drafter: EagleDrafter | None
+    eos: set[int]  # empty when cfg.ignore_eos
+    pad_token_id: int
+    cache_kwarg: str  # the name `model.generate` takes a cache under
+
+
+def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Run every method at every temperature; write results.json, results.md, bench.png; print the table."""
+    validate_bench(cfg)
+    prompts = load_bench_prompts(cfg.bench.dataset, cfg.bench.limit)
+    run_dir = resolve_run_dir(out_dir)
+    target = load_target(cfg.target)
+    encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]  # checked before any work
+    drafter = build_drafter(build_head(cfg.head, target), target, cfg.tree) if "eagle" in cfg.bench.methods else None
+    ctx = make_context(cfg, target, drafter)
+    log.info("bench: %d prompts from %s, methods %s, temperatures %s -> %s", len(prompts), cfg.bench.dataset,
+             ", ".join(cfg.bench.methods), ", ".join(map(str, cfg.bench.temperatures)), run_dir)
+
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    records: list[dict[str, Any]] = []
+    warmed: set[str] = set()
+    for temperature in cfg.bench.temperatures:
+        params = SamplingParams(temperature, cfg.top_k, cfg.top_p)
+        runs: dict[str, list[Run]] = {}
+        for method in cfg.bench.methods:
+            if method in GREEDY_ONLY and not params.greedy:
+                log.info("T=%g %s: skipped (greedy only)", temperature, method)
+                continue
+            if method not in warmed:
+                warm_up(ctx, method, encoded[: cfg.bench.warmup], params)
+                warmed.add(method)
+            runs[method] = run_prompts(ctx, method, encoded, params, temperature)
+        summary[temperature_key(temperature)] = summarise(cfg.bench.methods, runs, params.greedy)
+        records.extend(prompt_records(runs, temperature, target.tokenizer, params.greedy))
+
+    results = {
+        "config": config_summary(cfg, target, len(prompts)),
+        "prompts": [{"index": i, "prompt_tokens": len(ids), "preview": _preview(p)}
+                    for i, (p, ids) in enumerate(zip(prompts, encoded))],
+        "summary": summary,
+        "records": records,
+    }
+    write_outputs(results, run_dir)
+    return results
+
+
+def validate_bench(cfg: ServeConfig) -> None:
+    """Refuse unknown or repeated methods, bad temperatures and a negative warm-up up front."""
+    bench = cfg.bench
+    if not bench.methods:
+        raise EagleLabError(f"bench.methods is empty (choose from {', '.join(METHODS)})")
+    unknown = [m for m in bench.methods if m not in METHODS]
+    if unknown:
+        raise EagleLabError(f"unknown bench method(s) {', '.join(unknown)} (choose from {', '.join(METHODS)})")
+    if len(set(bench.methods)) != len(bench.methods):
+        raise EagleLabError(f"bench.methods repeats a method: {list(bench.methods)}")
+    if not bench.temperatures:
+        raise EagleLabError("bench.temperatures is empty (e.g. bench.temperatures=[0.0,1.0])")
+    for temperature in bench.temperatures:
+        SamplingParams(temperature, cfg.top_k, cfg.top_p)  # raises EagleLabError on bad values
+    if len({temperature_key(t) for t in bench.temperatures}) != len(bench.temperatures):
+        raise EagleLabError(f"bench.temperatures repeats a value: {list(bench.temperatures)}")
+    if bench.warmup < 0:
+        raise EagleLabError(f"bench.warmup must be >= 0, got {bench.warmup}")
+    if cfg.max_new_tokens < 1:
+        raise EagleLabError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.stop:
+        log.warning("bench ignores stop strings (stop=%s): every method stops at eos or max_new_tokens", cfg.stop)
+    if cfg.temperature != 0:
+        log.warning("bench ignores temperature=%g: it runs bench.temperatures=%s", cfg.temperature,
+                    list(bench.temperatures))
+
+
+def resolve_run_dir(out_dir: str | Path | None = None) -> Path:
+    """`out_dir` if given, else Hydra's output dir, else a new outputs/bench/<timestamp>."""
+    if out_dir is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            out_dir = HydraConfig.get().runtime.output_dir
+        else:
+            out_dir = Path("outputs") / "bench" / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def make_context(cfg: ServeConfig, target: Target, drafter: EagleDrafter | None) -> BenchContext:
+    eos = set() if cfg.ignore_eos else set(target.eos_token_ids)
+    pad = target.tokenizer.pad_token_id
+    if pad is None:
+        pad = getattr(target.model.generation_config, "pad_token_id", None)
+    if pad is None:
+        pad = min(target.eos_token_ids, default=0)
+    params = inspect.signature(target.model.forward).parameters
+    cache_kwarg = "cache" if "cache" in params else "past_key_values"
+    return BenchContext(cfg, target, drafter, eos, int(pad), cache_kwarg)
+
+
+def warm_up(ctx: BenchContext, method: str, encoded: list[list[int]], params: SamplingParams) -> None:
+    """Untimed runs, so one-off costs (allocations, kernel choice, lazy init) are not measured."""
+    for index, ids in enumerate(encoded):
+        log.info("warm-up %s: prompt %d/%d", method, index + 1, len(encoded))
+        run_method(ctx, method, ids, params)
+
+
+def run_prompts(ctx: BenchContext, method: str, encoded: list[list[int]], params: SamplingParams,
+                temperature: float) -> list[Run]:
+    runs = []
+    for index, ids in enumerate(encoded):
+        log.info("T=%g %s: prompt %d/%d", temperature, method, index + 1, len(encoded))
+        runs.append(run_method(ctx, method, ids, params))
+    return runs
+
+
+def run_method(ctx: BenchContext, method: str, prompt_ids: list[int], params: SamplingParams) -> Run:
+    """Generate for one prompt with one method, timed from the call to the last token."""
+    if method in ("vanilla", "eagle"):
+        return _run_eagle_lab(ctx, method, prompt_ids, params)
+    if method in HF_METHODS:
+        return _run_hf(ctx, method, prompt_ids, params)
+    raise EagleLabError(f"unknown bench method '{method}' (choose from {', '.join(METHODS)})")
+
+
+def _run_eagle_lab(ctx: BenchContext, method: str, prompt_ids: list[int], params: SamplingParams) -> Run:
+    target = ctx.target
+
+    def decode():
+        stopper = Stopper(target.tokenizer, ctx.cfg.max_new_tokens, ctx.eos)
+        generator = make_generator(ctx.cfg.seed, target.device)
+        decoder = build_decoder(method, target, ctx.drafter, as_tensor(prompt_ids, target.device), params,
+                                stopper, generator)
+        return generate(decoder)
+
+    result, wall = _timed(decode, target.device)
+    stats = result.stats
+    return Run(result.token_ids, wall, stats.target_forwards, stats.stop_reason, stats)
+
+
+def _run_hf(ctx: BenchContext, method: str, prompt_ids: list[int], params: SamplingParams) -> Run:
+    """`model.generate` with the same eos, length and sampling settings as eagle_lab's loops.
+
+    ignore_eos passes eos_token_id=None rather than min_new_tokens: the latter masks eos out
+    of the logits, which would change greedy outputs. Target forwards are counted with a hook.
+    """
+    target, cfg = ctx.target, ctx.cfg
+    input_ids = as_tensor(prompt_ids, target.device)[None]  # [1, T]
+    kwargs: dict[str, Any] = {
+        "attention_mask": torch.ones_like(input_ids),
+        "max_new_tokens": cfg.max_new_tokens,
+        "eos_token_id": sorted(ctx.eos) if ctx.eos else None,
+        "pad_token_id": ctx.pad_token_id,
+        ctx.cache_kwarg: target.new_cache(),
+    }
+    if params.greedy:
+        kwargs["do_sample"] = False
+    else:
+        kwargs.update(do_sample=True, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    if method == "hf_prompt_lookup":
+        kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+    forwards = [0]
+
+    def count(_module, _args) -> None:
+        forwards[0] += 1
+
+    hook = target.model.register_forward_pre_hook(count)
+    try:
+        if not params.greedy:
+            torch.manual_seed(cfg.seed)
+        output, wall = _timed(lambda: target.model.generate(input_ids, **kwargs), target.device)
+    finally:
+        hook.remove()
+    tokens, reason = cut_hf_output(output[0, input_ids.shape[1]:].tolist(), ctx.eos, cfg.max_new_tokens)
+    return Run(tokens, wall, forwards[0] or None, reason)
+
+
+def cut_hf_output(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], str]:
+    """HF's new tokens up to and including the first eos (any padding after it dropped)."""
+    for index, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: index + 1], "eos"
+    return tokens, "length" if len(tokens) >= max_new_tokens else "other"
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    _synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    _synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def temperature_key(temperature: float) -> str:
+    return str(float(temperature))
+
+
+def summarise(methods: list[str], runs: dict[str, list[Run]], greedy: bool) -> dict[str, dict[str, Any]]:
+    """Per-method figures at one temperature; `runs` lacks the methods that were skipped."""
+    reference = runs.get(REFERENCE)
+    summary: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        if method not in runs:
+            summary[method] = {"status": "skipped", "note": "greedy only: skipped at temperature > 0"}
+            continue
+        method_runs = runs[method]
+        new_tokens = sum(len(r.token_ids) for r in method_runs)
+        wall = sum(r.wall_s for r in method_runs)
+        counted = all(r.target_forwards for r in method_runs)
+        forwards = sum(r.target_forwards or 0 for r in method_runs) if counted else None
+        row: dict[str, Any] = {
+            "status": "ok",
+            "note": "",
+            "prompts": len(method_runs),
+            "new_tokens": new_tokens,
+            "wall_s": wall,
+            "tokens_per_s": new_tokens / wall if wall > 0 else None,
+            "mean_wall_s": wall / len(method_runs) if method_runs else None,
+            "target_forwards": forwards,
+            "tau": new_tokens / forwards if forwards else None,
+            "speedup": None,
+            "greedy_mismatches": None,
+            "acceptance_by_depth": None,
+        }
+        if method == "eagle":
+            row["acceptance_by_depth"] = acceptance_by_depth([r.stats for r in method_runs if r.stats])
+        if greedy and reference is not None:
+            row["greedy_mismatches"] = sum(r.token_ids != ref.token_ids for r, ref in zip(method_runs, reference))
+        summary[method] = row
+    base = summary.get(REFERENCE, {}).get("tokens_per_s")
+    for row in summary.values():
+        if base and row.get("tokens_per_s") is not None:
+            row["speedup"] = row["tokens_per_s"] / base
+    return summary
+
+
+def acceptance_by_depth(stats: list[GenerationStats]) -> list[dict[str, Any]]:
+    """Per depth d: rounds that accepted >= d drafts / rounds whose tree reached depth d."""
+    depth = max((len(s.reached_depth) for s in stats), default=0)
+    rows = []
+    for d in range(depth):
+        reached = sum(s.reached_depth[d] for s in stats if d < len(s.reached_depth))
+        accepted = sum(s.accepted_depth[d] for s in stats if d < len(s.accepted_depth))
+        rows.append({"depth": d + 1, "reached": reached, "accepted": accepted,
+                     "rate": accepted / reached if reached else None})
+    return rows
+
+
+def prompt_records(runs: dict[str, list[Run]], temperature: float, tokenizer, greedy: bool) -> list[dict[str, Any]]:
+    """One record per (method, prompt) at this temperature."""
+    reference = runs.get(REFERENCE)
+    records = []
+    for method, method_runs in runs.items():
+        for index, run in enumerate(method_runs):
+            records.append({
+                "temperature": temperature,
+                "method": method,
+                "prompt_index": index,
+                "new_tokens": len(run.token_ids),
+                "wall_s": run.wall_s,
+                "tokens_per_s": len(run.token_ids) / run.wall_s if run.wall_s > 0 else None,
+                "target_forwards": run.target_forwards,
+                "tau": len(run.token_ids) / run.target_forwards if run.target_forwards else None,
+                "stop_reason": run.stop_reason,
+                "matches_vanilla": (run.token_ids == reference[index].token_ids
+                                    if greedy and reference is not None else None),
+                "token_ids": run.token_ids,
+                "text": tokenizer.decode(run.token_ids, skip_special_tokens=True),
+            })
+    return records
+
+
+def config_summary(cfg: ServeConfig, target: Target, num_prompts: int) -> dict[str, Any]:
+    head = cfg.head.path
+    if head == "":
+        packaged = packaged_head_dir(target.name)
+        head = str(packaged) if packaged else "random"
+    device = target.device
+    return {
+        "target": target.name,
+        "target_source": cfg.target.source,
+        "target_path": cfg.target.path,
+        "head": head if "eagle" in cfg.bench.methods else None,
+        "head_kind": cfg.head.kind,
+        "tree": {"depth": cfg.tree.depth, "topk": cfg.tree.topk, "total_tokens": cfg.tree.total_tokens},
+        "device": str(device),
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else platform.processor() or platform.machine()),
+        "torch_threads": torch.get_num_threads(),
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "dataset": cfg.bench.dataset,
+        "limit": cfg.bench.limit,
+        "num_prompts": num_prompts,
+        "methods": list(cfg.bench.methods),
+        "temperatures": [float(t) for t in cfg.bench.temperatures],
+        "warmup": cfg.bench.warmup,
+        "max_new_tokens": cfg.max_new_tokens,
+        "top_k": cfg.top_k,
+        "top_p": cfg.top_p,
+        "seed": cfg.seed,
+        "chat": cfg.chat,
+        "system": cfg.system,
+        "ignore_eos": cfg.ignore_eos,
+        "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+        "time": datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def write_outputs(results: dict[str, Any], run_dir: Path) -> str:
+    """results.json, results.md and bench.png in `run_dir`; the table also goes to stdout."""
+    (run_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    table = write_markdown(results)
+    (run_dir / "results.md").write_text(table, encoding="utf-8")
+    plot(results, run_dir / "bench.png")
+    print(table, flush=True)
+    log.info("wrote %s, %s and %s", run_dir / "results.json", run_dir / "results.md", run_dir / "bench.png")
+    return table
+
+
+def write_markdown(results: dict[str, Any]) -> str:
+    """The summary as Markdown: one row per (temperature, method), then EAGLE's acceptance by depth."""
+    cfg = results["config"]
+    tree = cfg["tree"]
+    lines = [
+        f"## Benchmark: {cfg['target']} on {cfg['dataset']}",
+        "",
+        f"{cfg['num_prompts']} prompts, max_new_tokens {cfg['max_new_tokens']}, ignore_eos {cfg['ignore_eos']}, "
+        f"device {cfg['device']} ({cfg['dtype']}), head {cfg['head']}, tree depth {tree['depth']} / "
+        f"topk {tree['topk']} / {tree['total_tokens']} tokens; torch {cfg['torch']}, "
+        f"transformers {cfg['transformers']}",
+        "",
+        "| T | method | tokens/s | tau | speedup | mean wall/prompt (s) | greedy mismatches | note |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for temperature, methods in results["summary"].items():
+        for method, row in methods.items():
+            if row["status"] != "ok":
+                lines.append(f"| {temperature} | {method} | - | - | - | - | - | {row['note']} |")
+                continue
+            mismatches = "-" if row["greedy_mismatches"] is None else f"{row['greedy_mismatches']}/{row['prompts']}"
+            note = "reference" if method == REFERENCE else row["note"]
+            lines.append(
+                f"| {temperature} | {method} | {_fmt(row['tokens_per_s'], '.1f')} | {_fmt(row['tau'], '.2f')} | "
+                f"{_fmt(row['speedup'], '.2f', 'x')} | {_fmt(row['mean_wall_s'], '.3f')} | {mismatches} | {note} |"
+            )
+    depth_rows = {t: m["eagle"]["acceptance_by_depth"] for t, m in results["summary"].items()
+                  if m.get("eagle", {}).get("acceptance_by_depth")}
+    if depth_rows:
+        depth = max(len(rows) for rows in depth_rows.values())
+        lines += ["", "EAGLE acceptance rate by tree depth (accepted / reached):", "",
+                  "| T | " + " | ".join(f"d={d}" for d in range(1, depth + 1)) + " |",
+                  "|---|" + "---:|" * depth]
+        for temperature, rows in depth_rows.items():
+            cells = [f"{_fmt(r['rate'], '.2f')} ({r['accepted']}/{r['reached']})" for r in rows]
+            cells += ["-"] * (depth - len(cells))
+            lines.append(f"| {temperature} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Two panels: EAGLE's acceptance rate by depth, and tokens/s by method (bars per temperature)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    summary = results["summary"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    plotted = False
+    for temperature, methods in summary.items():
+        rows = methods.get("eagle", {}).get("acceptance_by_depth") or []
+        points = [(r["depth"], r["rate"]) for r in rows if r["rate"] is not None]
+        if points:
+            left.plot(*zip(*points), marker="o", label=f"T={temperature}")
+            plotted = True
+    left.set(title="EAGLE acceptance rate by depth", xlabel="tree depth d",
+             ylabel="P(accept >= d | tree reached d)", ylim=(0, 1.05))
+    if plotted:
+        left.legend()
+        left.xaxis.set_major_locator(MaxNLocator(integer=True))
+    else:
+        left.text(0.5, 0.5, "eagle not run", ha="center", va="center", transform=left.transAxes)
+
+    methods = list(results["config"]["methods"])
+    width = 0.8 / max(len(summary), 1)
+    for offset, (temperature, rows) in enumerate(summary.items()):
+        xs = [i + (offset - (len(summary) - 1) / 2) * width for i in range(len(methods))]
+        heights = [rows.get(m, {}).get("tokens_per_s") or 0.0 for m in methods]
+        right.bar(xs, heights, width=width, label=f"T={temperature}")
+    right.set_xticks(range(len(methods)), methods, rotation=15)
+    right.set(title="Throughput by method", ylabel="tokens/s")
+    right.legend()
+    cfg = results["config"]
+    fig.suptitle(f"{cfg['target']} on {cfg['dataset']} ({cfg['num_prompts']} prompts, {cfg['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _preview(prompt: Prompt, width: int = 80) -> str:
+    text = prompt if isinstance(prompt, str) else " | ".join(m["content"] for m in prompt)
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."

