@@ -149,5 +149,5 @@ def test_sweep_runs_one_job_per_point(tmp_path):
     done = run_script("train.py", "-m", "experiment=smoke", "optim.lr=1e-4,3e-4", "trainer.max_steps=3",
                       f"trainer.features_dir={tmp_path / 'features'}", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert done.returncode == 0, done.stderr[-3000:]
-    heads = sorted(p.parent.name for p in (tmp_path / "sweep").glob("*/head/model.safetensors"))
+    heads = sorted(p.parent.parent.name for p in (tmp_path / "sweep").glob("*/head/model.safetensors"))
     assert heads == ["optim.lr=0.0001,trainer.max_steps=3", "optim.lr=0.0003,trainer.max_steps=3"]
