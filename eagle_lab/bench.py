@@ -396,7 +396,7 @@ def write_markdown(results: dict[str, Any]) -> str:
         f"## Benchmark: {cfg['target']} on {cfg['dataset']}",
         "",
         f"{cfg['num_prompts']} prompts, max_new_tokens {cfg['max_new_tokens']}, ignore_eos {cfg['ignore_eos']}, "
-        f"device {cfg['device']} ({cfg['dtype']}), head {cfg['head']}, tree depth {tree['depth']} / "
+        f"device {cfg['device']} ({cfg['dtype']}), head {cfg['head'] or '-'}, tree depth {tree['depth']} / "
         f"topk {tree['topk']} / {tree['total_tokens']} tokens; torch {cfg['torch']}, "
         f"transformers {cfg['transformers']}",
         "",
