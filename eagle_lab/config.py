@@ -24,6 +24,7 @@ class HeadConfig:
     # "random" = always a random head; otherwise a directory with config.json + model.safetensors
     path: str = ""
     draft_vocab_size: int = 0  # 0 = the target's full vocabulary
+    ttt_steps: int = 1  # training: draft steps unrolled per position (EAGLE-3 "training-time test")
     seed: int = 0
 
 
@@ -79,6 +80,7 @@ class LossConfig:
     cls_weight: float = 0.1  # cross-entropy against the target's distribution (EAGLE: 0.1)
     noise_std: float = 0.05  # std of uniform noise on input features (EAGLE: U(-0.1, 0.1))
     step_decay: float = 0.8  # weight of unrolled step j is step_decay ** (j - 1) (EAGLE-3)
+    mask_outside_draft_vocab: bool = False  # skip positions whose target token the draft cannot emit
 
 
 @dataclass
@@ -88,7 +90,6 @@ class TrainerConfig:
     max_steps: int = 1000  # optimizer steps
     micro_batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1
-    ttt_steps: int = 1  # unrolled draft steps trained per position (EAGLE-3 uses several)
     eval_depth: int = 5  # draft positions whose top-1 accuracy is measured on held-out data
     eval_every: int = 200
     eval_sequences: int = 64

@@ -41,8 +41,9 @@ class Drafter(Protocol):
     def reset(self) -> None: ...
 
     def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
-        """sequence: [T] committed tokens, the last one the root; new_features: [P, H]
-        target features at positions T-1-P .. T-2 (those the drafter has not seen)."""
+        """sequence: [T] committed tokens, the last one the root; new_features: [P, F]
+        target features at positions T-1-P .. T-2 (those the drafter has not seen): the top
+        feature, or the layers named by the drafter's `feature_layers` concatenated."""
         ...
 
 
@@ -53,6 +54,7 @@ class EagleDrafter:
         self.lm_weight = draft_lm_head_weight(head, target)  # [Vd, H]
         self.cache = HeadKVCache()
         self.committed = 0  # pairs in the head cache that belong to the committed sequence
+        self.feature_layers = tuple(head.arch.feature_layers)  # target layers the head reads
 
     def reset(self) -> None:
         self.cache = HeadKVCache()

@@ -37,12 +37,14 @@ class Example:
 
 
 def eagle3_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's default low, middle and high layers: (2, L // 2, L - 3)."""
+    """EAGLE-3's default low, middle and high layers: (2, L // 2, L - 3), as hidden_states indices."""
     return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
 
 
 def features_key(target_name: str, data_fingerprint: dict, layer_ids: tuple[int, ...]) -> str:
-    blob = json.dumps({"target": target_name, "data": data_fingerprint, "layers": list(layer_ids)}, sort_keys=True)
+    # "layer_index": which hidden state a layer id names (HF hidden_states[i], the input of layer i)
+    blob = json.dumps({"target": target_name, "data": data_fingerprint, "layers": list(layer_ids),
+                       "layer_index": "hf_hidden_states"}, sort_keys=True)
     return f"{target_name}-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
 
 

@@ -129,9 +129,11 @@ def speculative_decode(
     stats, start = GenerationStats(), time.perf_counter()
     cache = target.new_cache()
     drafter.reset()
-    new_features = target.forward(prompt_ids[None], cache).features[0]  # [T, H]
+    layer_ids = tuple(getattr(drafter, "feature_layers", ()))  # EAGLE-3 heads read several layers
+    out = target.forward(prompt_ids[None], cache, layer_ids=layer_ids)
+    new_features = _head_features(out)[0]  # [T, F]
     stats.target_forwards += 1
-    root = next_token(target.logits(new_features[-1]), params, generator)
+    root = next_token(target.logits(out.features[0, -1]), params, generator)
     emitted, reason = stopper.accept([root])
     stats.new_tokens += len(emitted)
     yield emitted
@@ -143,11 +145,11 @@ def speculative_decode(
             break
         tree = drafter.draft(sequence, new_features, max_depth=target.max_context - 1 - past)
         positions = (past + tree.depths)[None]  # [1, N]
-        features = target.forward(tree.tokens[None], cache, positions, tree.mask).features[0]  # [N, H]
+        out = target.forward(tree.tokens[None], cache, positions, tree.mask, layer_ids)
         stats.target_forwards += 1
-        accepted, bonus = verify(tree, target.logits(features), params, generator)  # [L + 1], int
+        accepted, bonus = verify(tree, target.logits(out.features[0]), params, generator)  # [L + 1], int
         keep_accepted(cache, past, accepted)
-        new_features = features[accepted]  # [L + 1, H]
+        new_features = _head_features(out)[0, accepted]  # [L + 1, F]
         new_tokens = tree.tokens[accepted[1:]].tolist() + [bonus]
         stats.record_round(tree.max_depth, accepted.numel() - 1, tree.size - 1)
         emitted, reason = stopper.accept(new_tokens)
@@ -156,6 +158,11 @@ def speculative_decode(
         sequence = torch.cat([sequence, torch.tensor(new_tokens, device=sequence.device)])
     stats.stop_reason, stats.wall_s = reason, time.perf_counter() - start
     return stats
+
+
+def _head_features(out) -> torch.Tensor:
+    """What the drafter reads: the fused layers when it asked for them, else the top feature."""
+    return out.layer_features if out.layer_features is not None else out.features
 
 
 def generate(decoder: Generator[list[int], None, GenerationStats]) -> GenerationResult:

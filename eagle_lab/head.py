@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,12 +40,15 @@ class HeadArchitecture:
     vocab_size: int  # the target's
     draft_vocab_size: int  # == vocab_size when the draft uses the full vocabulary
     target_model_type: str
+    feature_layers: list[int] = field(default_factory=list)  # target layers fused (EAGLE-3); [] = top only
 
     @classmethod
-    def for_target(cls, target, kind: str = "eagle2", draft_vocab_size: int = 0) -> "HeadArchitecture":
+    def for_target(cls, target, kind: str = "eagle2", draft_vocab_size: int = 0,
+                   feature_layers: tuple[int, ...] = ()) -> "HeadArchitecture":
         c = target.config
         heads = c.num_attention_heads
         return cls(
+            feature_layers=list(feature_layers),
             kind=kind,
             hidden_size=c.hidden_size,
             num_heads=heads,
@@ -190,6 +193,13 @@ class EagleHead(nn.Module):
     def reduced_vocab(self) -> bool:
         return self.arch.draft_vocab_size != self.arch.vocab_size
 
+    @staticmethod
+    def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+        return ()  # EAGLE-2 reads only the top feature
+
+    def init_from_target(self, target) -> None:
+        """Hook for heads with weights best started from the target's (EAGLE-3's LM head)."""
+
     def inputs(self, token_embeds: torch.Tensor, features: torch.Tensor, from_draft: bool = False):
         """-> (attention input [B, T, In], residual stream [B, T, H]).
 
@@ -216,14 +226,26 @@ def draft_lm_head_weight(head: EagleHead, target) -> torch.Tensor:
     return weight.index_select(0, head.draft_to_target) if head.reduced_vocab else weight
 
 
+def head_class(kind: str) -> type[EagleHead]:
+    from eagle_lab.eagle3 import Eagle3Head
+
+    classes = {"eagle2": EagleHead, "eagle3": Eagle3Head}
+    if kind not in classes:
+        raise EagleLabError(f"unknown head kind '{kind}' (choose from {', '.join(classes)})")
+    return classes[kind]
+
+
 def new_head(target, kind: str = "eagle2", draft_vocab_ids: torch.Tensor | None = None, seed: int = 0) -> EagleHead:
+    cls = head_class(kind)
     size = 0 if draft_vocab_ids is None else draft_vocab_ids.numel()
-    arch = HeadArchitecture.for_target(target, kind=kind, draft_vocab_size=size)
+    arch = HeadArchitecture.for_target(target, kind=kind, draft_vocab_size=size,
+                                       feature_layers=cls.default_feature_layers(target.num_layers))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        head = EagleHead(arch)
+        head = cls(arch)
     if draft_vocab_ids is not None:
         head.draft_to_target.copy_(draft_vocab_ids.sort().values)
+    head.init_from_target(target)
     return head.to(device=target.device, dtype=target.dtype)
 
 
@@ -250,7 +272,7 @@ def load_head(directory: str | Path, target) -> EagleHead:
     except (json.JSONDecodeError, TypeError) as exc:
         raise EagleLabError(f"head config {config_file} is not an eagle_lab head config: {exc}") from exc
     arch.check_matches(target)
-    head = EagleHead(arch)
+    head = head_class(arch.kind)(arch)
     try:
         head.load_state_dict(load_file(str(weights_file)))
     except (RuntimeError, OSError) as exc:

@@ -48,6 +48,14 @@ def _weights(batch: Batch, step: int) -> torch.Tensor:
     return w
 
 
+def _draftable(head, target, goal: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] 1.0 where the target's greedy token is in the draft vocabulary."""
+    in_draft = torch.zeros(target.vocab_size, dtype=torch.bool, device=goal.device)
+    in_draft[head.draft_to_target] = True
+    full = F.linear(goal.to(target.lm_head.weight.dtype), target.lm_head.weight)  # [B, T-1, V]
+    return in_draft[full.argmax(-1)].float()
+
+
 def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: LossConfig, steps: int):
     """-> (scalar loss, {metric: float}). target_rows: [Vd, H] target LM-head rows of the draft vocab."""
     outputs = _unroll(head, target, batch, steps, cfg.noise_std)
@@ -55,9 +63,12 @@ def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: Lo
     with torch.no_grad():
         p = F.linear(goal, target_rows).float().softmax(-1)  # [B, T-1, Vd]
         p_top = p.argmax(-1)
+        drafted = _draftable(head, target, goal) if cfg.mask_outside_draft_vocab and head.reduced_vocab else None
     total, metrics = 0.0, {}
     for j, hidden in enumerate(outputs, start=1):
         w = _weights(batch, j)
+        if drafted is not None:
+            w = w * drafted
         denom = w.sum().clamp(min=1.0)
         reg = F.smooth_l1_loss(hidden.float(), goal.float(), reduction="none").mean(-1)  # [B, T-1]
         log_q = head.draft_logits(hidden, target_rows).float().log_softmax(-1)  # [B, T-1, Vd]

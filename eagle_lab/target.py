@@ -108,7 +108,9 @@ class Target:
 
         tree_mask: [K, K] bool, True where node i may attend to node j (ancestors and
         itself); None means plain causal attention.
-        layer_ids: also return these decoder layers' outputs, concatenated (EAGLE-3).
+        layer_ids: also return the hidden states entering these decoder layers (Hugging Face
+        `hidden_states[i]`, where 0 is the embedding output; the convention EAGLE-3, vLLM and
+        SGLang use for their auxiliary layers), concatenated on the last dim.
         """
         kwargs = {self._cache_kwarg: cache, "use_cache": cache is not None}
         if tree_mask is not None:
@@ -119,8 +121,7 @@ class Target:
         out = self.backbone(input_ids=input_ids, position_ids=position_ids, **kwargs)
         layer_features = None
         if layer_ids:
-            # hidden_states[0] is the embedding output; layer i's output is hidden_states[i + 1]
-            layer_features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+            layer_features = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)  # [B, K, n*H]
         return TargetOutput(features=out.last_hidden_state, layer_features=layer_features)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:

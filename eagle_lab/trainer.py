@@ -261,7 +261,7 @@ class Recipe:
             metrics: dict[str, float] = {}
             for _ in range(tcfg.grad_accum):
                 batch = self._batch(self.train_source.get(self._next_indices()))
-                loss, metrics = training_loss(self.engine.module, self.target, rows, batch, cfg.loss, tcfg.ttt_steps)
+                loss, metrics = training_loss(self.engine.module, self.target, rows, batch, cfg.loss, cfg.head.ttt_steps)
                 self.engine.backward(loss)
                 self.engine.step()
                 window_tokens += int(batch.valid.sum())
