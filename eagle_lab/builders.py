@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_lab.config import HeadConfig
+from eagle_lab.config import HeadConfig, TreeConfig
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, speculative_decode, vanilla_decode
@@ -50,8 +50,18 @@ def build_decoder(method: str, target: Target, drafter: EagleDrafter | None, pro
     raise EagleLabError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
 
 
-def build_drafter(head: EagleHead, target: Target, shape: TreeShape) -> EagleDrafter:
-    return EagleDrafter(head, target, TreeShape(shape.depth, shape.topk, shape.total_tokens))
+def build_drafter(head: EagleHead, target: Target, tree: TreeConfig) -> EagleDrafter:
+    """A drafter with a fixed tree, or with the shape tree=auto measures for this device."""
+    fixed = TreeShape(tree.depth, tree.topk, tree.total_tokens)
+    if not tree.auto:
+        if not (tree.depth and tree.topk and tree.total_tokens):
+            raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")
+        return EagleDrafter(head, target, fixed)
+    from eagle_lab.tree_auto import auto_tree
+
+    drafter = EagleDrafter(head, target, TreeShape(4, 4, 12))
+    auto_tree(target, drafter, fixed)
+    return drafter
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

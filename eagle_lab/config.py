@@ -13,7 +13,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from eagle_lab.data import DataConfig
-from eagle_lab.draft import TreeShape
 from eagle_lab.target import TargetConfig
 
 
@@ -29,8 +28,14 @@ class HeadConfig:
 
 
 @dataclass
-class TreeConfig(TreeShape):
-    pass
+class TreeConfig:
+    """auto: measure this device and head, then pick the fastest shape (eagle_lab.tree_auto);
+    a non-zero depth / topk / total_tokens is kept as given (all three needed when auto=false)."""
+
+    auto: bool = True
+    depth: int = 0
+    topk: int = 0
+    total_tokens: int = 0
 
 
 @dataclass

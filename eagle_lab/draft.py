@@ -33,8 +33,21 @@ class TreeShape:
     def __post_init__(self):
         from eagle_lab.errors import EagleLabError
 
-        if self.depth < 0 or self.topk < 1 or self.total_tokens < 0:
-            raise EagleLabError(f"tree needs depth >= 0, topk >= 1, total_tokens >= 0; got {self}")
+        if self.depth < 0 or self.topk < 0 or self.total_tokens < 0:
+            raise EagleLabError(f"tree needs depth, topk and total_tokens >= 0; got {self}")
+
+
+@dataclass
+class Candidates:
+    """Every node the last draft considered, before the final top-`total_tokens` cut.
+
+    Level by level: the root's top-k children, then each frontier node's top-k children
+    (consecutive, best first). tree_auto replays these to price smaller trees.
+    """
+
+    scores: torch.Tensor  # [M] cumulative draft log-probability
+    parents: torch.Tensor  # [M] candidate index of the parent, -1 for the root
+    tokens: torch.Tensor  # [M] target token ids
 
 
 class Drafter(Protocol):
@@ -54,6 +67,7 @@ class EagleDrafter:
         self.lm_weight = draft_lm_head_weight(head, target)  # [Vd, H]
         self.cache = HeadKVCache()
         self.committed = 0  # pairs in the head cache that belong to the committed sequence
+        self.last_candidates: Candidates | None = None
         self.feature_layers = tuple(head.arch.feature_layers)  # target layers the head reads
 
     def reset(self) -> None:
@@ -78,7 +92,7 @@ class EagleDrafter:
         device = sequence.device
         root = int(sequence[-1])
         depth = min(self.shape.depth, max_depth)
-        if depth < 1 or self.shape.total_tokens < 1:
+        if depth < 1 or self.shape.total_tokens < 1 or self.shape.topk < 1:
             self._commit(sequence, new_features)  # keep the head cache in step even without a tree
             return root_only_tree(root, device)
         hidden = self._commit(sequence, new_features)[:, -1]  # [1, H] predicted feature at the root
@@ -112,6 +126,7 @@ class EagleDrafter:
             frontier_scores, frontier_tokens = child_scores.flatten()[best], child_tokens.flatten()[best]
             parent_hidden = out[rows]
             ancestry = visible[rows]
+        self.last_candidates = Candidates(torch.cat(all_scores), torch.cat(all_parents), torch.cat(all_tokens))
         kept, parents = select_best(torch.cat(all_scores), torch.cat(all_parents), self.shape.total_tokens)
         tokens = torch.cat([torch.tensor([root], device=device), torch.cat(all_tokens)[kept]])
         parents = torch.cat([torch.tensor([-1], device=device), parents])

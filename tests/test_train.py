@@ -151,3 +151,18 @@ def test_sweep_runs_one_job_per_point(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     heads = sorted(p.parent.parent.name for p in (tmp_path / "sweep").glob("*/head/model.safetensors"))
     assert heads == ["optim.lr=0.0001,trainer.max_steps=3", "optim.lr=0.0003,trainer.max_steps=3"]
+
+
+def test_eagle3_smoke_trains_end_to_end(tmp_path):
+    from eagle_lab.trainer import Recipe
+
+    cfg = smoke_cfg(tmp_path, "head=eagle3", "head.draft_vocab_size=128", "trainer.max_steps=4",
+                    "trainer.eval_every=4")
+    recipe = Recipe(cfg)
+    recipe.setup()
+    recipe.train()
+    out = recipe.export()
+    head = load_head(out, recipe.target)
+    assert head.arch.kind == "eagle3" and head.arch.draft_vocab_size == 128
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_acc_3" in e for e in evals)

@@ -1,0 +1,311 @@
+"""Hardware-aware tree shape (`tree=auto`): pick depth, top-k and size for this device.
+
+Speculative decoding pays off only when the tokens a round accepts outweigh its cost, and
+both sides depend on the hardware and the head: on a GPU scoring 60 tokens costs about as
+much as one, on a 2-core CPU several times more. So:
+  1. measure the target's forward cost for K scored tokens after a realistic prefix, and
+     the drafter's cost per tree level for each frontier width k;
+  2. record one greedy run with a large tree on calibration prompts, keeping every draft
+     candidate and the output;
+  3. replay each candidate shape (depth, k, total) on the recorded candidates: under greedy
+     verification a tree accepts the longest path that follows the output, so its accept
+     length is known exactly for the recorded rounds;
+  4. choose the shape with the highest (accepted + 1) / (target cost + draft cost + overhead).
+The result is cached per target, head, device and dtype. Fixed `tree.depth/topk/total_tokens`
+values (non-zero) are kept; only the free ones are searched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle_lab.draft import Candidates, EagleDrafter, TreeShape
+from eagle_lab.embedded import cache_root
+from eagle_lab.generate import Stopper, speculative_decode
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import Target
+
+log = logging.getLogger(__name__)
+K_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+CALIBRATION_PROMPTS = (
+    "Explain how a hash table works, with an example in Python.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are the main causes of inflation? Answer in a few paragraphs.",
+    "Give me a step-by-step plan to learn linear algebra in a month.",
+)
+
+
+@dataclass
+class TreeSearchConfig:
+    depths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 7])
+    topks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
+    totals: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 60])
+    record_shape: tuple[int, int, int] = (7, 8, 64)
+    new_tokens: int = 64
+    context: int = 256
+
+
+@dataclass
+class CostModel:
+    target_ms: dict[int, float]  # K scored tokens -> ms
+    level_ms: dict[int, float]  # frontier width k -> ms per tree level below the first
+    first_level_ms: float  # feeding the accepted pairs + the root's children
+    overhead_ms: float  # per round, outside the two models (verification, bookkeeping)
+
+    def target(self, k: int) -> float:
+        keys = sorted(self.target_ms)
+        if k <= keys[0]:
+            return self.target_ms[keys[0]]
+        for lo, hi in zip(keys, keys[1:]):
+            if k <= hi:
+                w = (k - lo) / (hi - lo)
+                return (1 - w) * self.target_ms[lo] + w * self.target_ms[hi]
+        lo, hi = keys[-2], keys[-1]  # extrapolate linearly past the grid
+        return self.target_ms[hi] + (k - hi) * (self.target_ms[hi] - self.target_ms[lo]) / (hi - lo)
+
+    def round_ms(self, shape: TreeShape) -> float:
+        if shape.depth == 0:  # no draft: one token per round, the head only keeps its cache
+            return self.target(1) + self.first_level_ms + self.overhead_ms
+        level = self.level_ms.get(shape.topk) or max(self.level_ms.values())
+        return (self.target(shape.total_tokens + 1) + self.first_level_ms + (shape.depth - 1) * level
+                + self.overhead_ms)
+
+
+@dataclass
+class Recording:
+    rounds: list[tuple[Candidates, list[int]]]  # candidates, then the output tokens after the root
+
+
+def _timed(fn, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_target_costs(target: Target, context: int, grid=K_GRID) -> dict[int, float]:
+    from eagle_lab.cache import truncate
+
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, target.vocab_size, (1, context), generator=g).to(target.device)
+    cache = target.new_cache()
+    target.forward(prefix, cache)
+    costs = {}
+    for k in grid:
+        tokens = torch.randint(0, target.vocab_size, (1, k), generator=g).to(target.device)
+        mask = torch.ones(k, k, dtype=torch.bool, device=target.device).tril()
+        positions = torch.arange(context, context + k, device=target.device)[None]
+
+        def score():
+            out = target.forward(tokens, cache, positions, mask)
+            target.logits(out.features[0])
+            truncate(cache, context)
+
+        score()  # warm-up
+        costs[k] = _timed(score)
+    return costs
+
+
+@torch.no_grad()
+def measure_draft_costs(drafter: EagleDrafter, target: Target, topks, context: int) -> tuple[float, dict[int, float]]:
+    g = torch.Generator().manual_seed(1)
+    sequence = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
+    out = target.forward(sequence[None], layer_ids=drafter.feature_layers)
+    feats = (out.layer_features if out.layer_features is not None else out.features)[0]  # [T, F]
+    original = drafter.shape
+
+    def draft(depth: int, k: int) -> float:
+        drafter.shape = TreeShape(depth, k, k * depth)
+
+        def once():
+            drafter.reset()
+            drafter._commit(sequence[:-3], feats[: context - 4])  # a committed prefix, as mid-generation
+            drafter.draft(sequence, feats[context - 4: context - 1], max_depth=depth)
+
+        once()
+        return _timed(once)
+
+    first, levels = [], {}
+    for k in topks:
+        one, three = draft(1, k), draft(3, k)
+        levels[k] = max((three - one) / 2, 0.0)
+        first.append(one)
+    drafter.shape = original
+    drafter.reset()
+    # the commit of the prefix was timed too: remove it by timing a depth-0 draft
+    drafter.shape = TreeShape(0, 1, 0)
+
+    def commit_only():
+        drafter.reset()
+        drafter._commit(sequence[:-3], feats[: context - 4])
+
+    prefix_ms = _timed(commit_only)
+    drafter.shape = original
+    drafter.reset()
+    return max(statistics.median(first) - prefix_ms, 0.0), levels
+
+
+def record(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int):
+    """Greedy runs with a large tree; returns (Recording, measured ms per round)."""
+    rounds: list[tuple[Candidates, int, int]] = []
+    outputs, round_ms = [], []
+    original_draft = drafter.draft
+
+    def recording_draft(sequence, new_features, max_depth):
+        tree = original_draft(sequence, new_features, max_depth)
+        if drafter.last_candidates is not None and tree.size > 1:
+            rounds.append((drafter.last_candidates, len(outputs), int(sequence.numel())))
+        return tree
+
+    drafter.draft = recording_draft
+    try:
+        for ids in prompts:
+            prompt = torch.tensor(ids, device=target.device)
+            decoder = speculative_decode(target, drafter, prompt, SamplingParams(),
+                                         Stopper(target.tokenizer, new_tokens, set()))
+            tokens, start = [], time.perf_counter()
+            stamps = []
+            for chunk in decoder:
+                tokens.extend(chunk)
+                stamps.append(time.perf_counter())
+            round_ms += [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
+            outputs.append((prompt.numel(), tokens))
+            del start
+    finally:
+        drafter.draft = original_draft
+    replay = []
+    for cands, prompt_index, seq_len in rounds:
+        prompt_len, tokens = outputs[prompt_index]
+        after_root = tokens[seq_len - prompt_len:]  # greedy continuation after the root
+        replay.append((cands, after_root))
+    return Recording(replay), statistics.median(round_ms) if round_ms else 0.0
+
+
+def simulate_accept(cands: Candidates, after_root: list[int], shape: TreeShape) -> int:
+    """Draft tokens a tree of `shape` would accept in this recorded round (greedy)."""
+    scores, parents, tokens = cands.scores.tolist(), cands.parents.tolist(), cands.tokens.tolist()
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)  # best first within each parent
+    available = children.get(-1, [])[: shape.topk]
+    frontier, kept = available, list(available)
+    for _ in range(1, shape.depth):
+        frontier = sorted(frontier, key=lambda i: -scores[i])[: shape.topk]
+        level = [c for f in frontier for c in children.get(f, [])[: shape.topk]]
+        kept += level
+        frontier = level
+    chosen = set(sorted(kept, key=lambda i: (-scores[i], i))[: shape.total_tokens])
+    node, accepted = -1, 0
+    for token in after_root:
+        nxt = [c for c in children.get(node, []) if c in chosen and tokens[c] == token]
+        if not nxt:
+            break
+        node, accepted = nxt[0], accepted + 1
+    return accepted
+
+
+def replay_all(recording: Recording, search: TreeSearchConfig) -> list[dict]:
+    """Accept length (tau, bonus included) of every grid shape on the recorded rounds.
+    Shape (0, 0, 0) is "do not draft": chosen when no tree pays for itself here."""
+    rows = [{"shape": asdict(TreeShape(0, 0, 0)), "tau": 1.0}]
+    for depth in search.depths:
+        for topk in search.topks:
+            for total in search.totals:
+                if total > topk * depth or total < min(depth, topk):
+                    continue
+                shape = TreeShape(depth, topk, total)
+                accepted = [simulate_accept(c, out, shape) for c, out in recording.rounds]
+                rows.append({"shape": asdict(shape), "tau": 1 + sum(accepted) / max(len(accepted), 1)})
+    return rows
+
+
+def choose(shapes: list[dict], costs: CostModel, fixed: TreeShape) -> tuple[TreeShape, list[dict]]:
+    """The fastest shape among those matching the fixed (non-zero) fields."""
+    ranked = []
+    for row in shapes:
+        shape = TreeShape(**row["shape"])
+        if shape.depth == 0 and (fixed.depth or fixed.topk or fixed.total_tokens):
+            continue
+        if (fixed.depth and shape.depth != fixed.depth) or (fixed.topk and shape.topk != fixed.topk) or (
+                fixed.total_tokens and shape.total_tokens != fixed.total_tokens):
+            continue
+        round_ms = costs.round_ms(shape)
+        ranked.append({**row, "round_ms": round_ms, "tokens_per_s": 1000 * row["tau"] / round_ms})
+    if not ranked:
+        raise ValueError(f"no searched tree shape matches the fixed values {fixed}")
+    ranked.sort(key=lambda r: -r["tokens_per_s"])
+    return TreeShape(**ranked[0]["shape"]), ranked
+
+
+def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig) -> str:
+    head = drafter.head
+    weights = float(sum(p.detach().float().abs().sum() for p in head.parameters()))
+    blob = json.dumps({"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
+                       "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search)},
+                      sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], search: TreeSearchConfig) -> dict:
+    """Measure costs and record acceptance; returns the cacheable summary."""
+    target_ms = measure_target_costs(target, search.context)
+    first_ms, level_ms = measure_draft_costs(drafter, target, search.topks, search.context)
+    saved = drafter.shape
+    drafter.shape = TreeShape(*search.record_shape)
+    try:
+        recording, measured_round = record(target, drafter, prompts, search.new_tokens)
+    finally:
+        drafter.shape = saved
+    modelled = CostModel(target_ms, level_ms, first_ms, 0.0).round_ms(TreeShape(*search.record_shape))
+    costs = CostModel(target_ms, level_ms, first_ms, max(measured_round - modelled, 0.0))
+    return {"cost_model": asdict(costs), "rounds": len(recording.rounds), "shapes": replay_all(recording, search)}
+
+
+def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
+              search: TreeSearchConfig | None = None, cache_dir: Path | None = None) -> TreeShape:
+    """The fastest shape for this target, head and device (measured once, cached); sets it
+    on the drafter. fixed: non-zero fields are kept as given."""
+    search = search or TreeSearchConfig()
+    for name, values in (("depth", search.depths), ("topk", search.topks), ("total_tokens", search.totals)):
+        if getattr(fixed, name) and getattr(fixed, name) not in values:
+            values.append(getattr(fixed, name))
+    cache_dir = cache_dir or cache_root() / "tree_auto"
+    path = cache_dir / f"{target.name}-{_fingerprint(target, drafter, search)}.json"
+    if path.is_file():
+        summary = json.loads(path.read_text())
+    else:
+        log.info("tree=auto: measuring costs and acceptance on %s (once; cached in %s)", target.device, path)
+        if prompts is None:
+            from eagle_lab.prompts import encode_prompt
+
+            prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in CALIBRATION_PROMPTS]
+        summary = calibrate(target, drafter, prompts, search)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2))
+    cm = summary["cost_model"]
+    costs = CostModel({int(k): v for k, v in cm["target_ms"].items()}, {int(k): v for k, v in cm["level_ms"].items()},
+                      cm["first_level_ms"], cm["overhead_ms"])
+    chosen, ranked = choose(summary["shapes"], costs, fixed)
+    log.info("tree=auto chose depth=%d topk=%d total_tokens=%d: predicted tau %.2f, %.1f tok/s vs %.1f plain "
+             "(costs: %s)", chosen.depth, chosen.topk, chosen.total_tokens, ranked[0]["tau"],
+             ranked[0]["tokens_per_s"], 1000 / costs.target(1), path)
+    if chosen.depth == 0:
+        log.warning("tree=auto: with this head no draft tree pays for itself on %s; decoding without drafts "
+                    "(train a better head, or set tree.depth/topk/total_tokens to force one)", target.device)
+    drafter.shape = chosen
+    return chosen
