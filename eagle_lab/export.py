@@ -1,0 +1,189 @@
+"""`python -m eagle_lab.export head_path=DIR format=eagle3|eagle out=DIR [target=NAME] [dtype=auto]`
+
+Writes a trained head in the layout vLLM, SGLang and the official EAGLE code load
+(see eagle_lab.interop). The target is only read for its config (rotary settings, context
+length, special token ids) and to check the head fits it; its weights are not loaded.
+
+  target=NAME   a config under conf/target/ (or a .yaml path); default: the run's target
+                (`resolved_config.yaml` next to the head directory), else smollm2_135m
+  dtype=auto    keep the head's stored precision; or float32 | bfloat16 | float16
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from eagle_lab.errors import EagleLabError
+
+log = logging.getLogger("eagle_lab.export")
+CONF_TARGETS = Path(__file__).resolve().parent.parent / "conf" / "target"
+PACKAGED_HEADS = Path(__file__).resolve().parent / "assets" / "heads"  # as in eagle_lab.builders
+DEFAULT_TARGET = "smollm2_135m"
+KEYS = ("head_path", "format", "out", "target", "dtype")
+REQUIRED = ("head_path", "format", "out")
+USAGE = "usage: python -m eagle_lab.export head_path=DIR format=eagle3|eagle out=DIR [target=NAME] [dtype=auto]"
+
+
+def parse_args(argv: list[str]) -> dict[str, str]:
+    args: dict[str, str] = {}
+    for item in argv:
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not sep or not key:
+            raise EagleLabError(f"argument '{item}' is not key=value ({USAGE})")
+        if key not in KEYS:
+            raise EagleLabError(f"unknown argument '{key}' (known: {', '.join(KEYS)})")
+        args[key] = value
+    missing = [k for k in REQUIRED if not args.get(k)]
+    if missing:
+        raise EagleLabError(f"missing {', '.join(k + '=' for k in missing)} ({USAGE})")
+    return args
+
+
+def _target_from_yaml(path: Path, section: str | None = None):
+    from omegaconf import OmegaConf
+
+    from eagle_lab.target import TargetConfig
+
+    raw = OmegaConf.load(path)
+    if section is not None:
+        raw = raw.get(section)
+        if raw is None:
+            return None
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TargetConfig), raw))
+
+
+def target_config(name: str, head_path: Path):
+    """target=NAME (conf/target/NAME.yaml or a yaml path), else the head's run's; None if unknown."""
+    if name:
+        path = Path(name).expanduser()
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            return _target_from_yaml(path)
+        path = CONF_TARGETS / f"{name}.yaml"
+        if not path.is_file():
+            known = sorted(p.stem for p in CONF_TARGETS.glob("*.yaml"))
+            raise EagleLabError(f"unknown target '{name}' (choose from {', '.join(known) or 'none found'})")
+        return _target_from_yaml(path)
+    resolved = head_path.parent / "resolved_config.yaml"  # the training run the head came from
+    if resolved.is_file():
+        cfg = _target_from_yaml(resolved, "target")
+        if cfg is not None:
+            log.debug("target %s (from %s)", cfg.name, resolved)
+            return cfg
+    if head_path.resolve().parent == PACKAGED_HEADS.resolve() and (CONF_TARGETS / f"{head_path.name}.yaml").is_file():
+        return _target_from_yaml(CONF_TARGETS / f"{head_path.name}.yaml")
+    return None
+
+
+class ConfigTarget:
+    """What loading and exporting a head need from a target: its config, not its weights."""
+
+    def __init__(self, config, name: str):
+        import torch
+
+        self.config, self.name = config, name
+        self.device, self.dtype = torch.device("cpu"), torch.float32  # the head is cast back on export
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def model_type(self) -> str:
+        return self.config.model_type
+
+
+def config_target(cfg) -> ConfigTarget:
+    """The target's transformers config; a tiny target is built (milliseconds) for it."""
+    from transformers import AutoConfig
+
+    from eagle_lab.target import SOURCES
+
+    if cfg.source not in SOURCES:
+        raise EagleLabError(f"unknown target source '{cfg.source}' (choose from {', '.join(SOURCES)})")
+    if cfg.source == "tiny":
+        from eagle_lab.tiny import build_tiny_model
+
+        return ConfigTarget(build_tiny_model(cfg.tiny).config, cfg.name)
+    path = cfg.path
+    if cfg.source == "embedded":
+        from eagle_lab.embedded import smollm2_dir
+
+        path = str(smollm2_dir())
+    if not path:
+        raise EagleLabError(f"target '{cfg.name}' has source=pretrained but no path")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EagleLabError(f"could not read the config of target '{path}': {first}") from exc
+    return ConfigTarget(getattr(config, "text_config", None) or config, cfg.name)
+
+
+def export(args: dict[str, str]) -> Path:
+    from eagle_lab.device import _DTYPES
+    from eagle_lab.interop import export_head, format_kind, read_head, stored_dtype
+
+    format_kind(args["format"])
+    head_path = Path(args["head_path"]).expanduser()
+    out = Path(args["out"]).expanduser()
+    if not head_path.is_dir():
+        raise EagleLabError(f"head_path '{head_path}' does not exist or is not a directory")
+    if out.resolve() == head_path.resolve():
+        raise EagleLabError("out= must differ from head_path= (the export would overwrite the head)")
+    dtype_name = args.get("dtype", "auto") or "auto"
+    if dtype_name != "auto" and dtype_name not in _DTYPES:
+        raise EagleLabError(f"unknown dtype '{dtype_name}' (use auto, {', '.join(sorted(_DTYPES))})")
+    cfg = target_config(args.get("target", ""), head_path)
+    defaulted = cfg is None
+    if defaulted:
+        cfg = _target_from_yaml(CONF_TARGETS / f"{DEFAULT_TARGET}.yaml")
+    target = config_target(cfg)
+    try:
+        head = read_head(head_path, target)
+    except EagleLabError as exc:
+        if not defaulted:
+            raise
+        raise EagleLabError(f"{exc} (no target= given and none recorded next to the head, so "
+                            f"{DEFAULT_TARGET} was assumed: pass target=NAME)") from exc
+    dtype = stored_dtype(head_path) if dtype_name == "auto" else _DTYPES[dtype_name]
+    written = export_head(head, target, out, args["format"], dtype=dtype)
+    print(f"exported {head.arch.kind} head ({str(dtype).removeprefix('torch.')}) for target {target.name} "
+          f"as format={args['format']} -> {written}")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(__doc__.strip())
+        return 0
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="[%(name)s] %(message)s")
+    try:
+        export(parse_args(argv))
+    except EagleLabError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as exc:  # an OmegaConf type check on a target yaml
+        from omegaconf.errors import OmegaConfBaseException
+
+        if not isinstance(exc, OmegaConfBaseException):
+            raise
+        first = str(exc).strip().splitlines()[0]
+        print(f"error: bad target configuration: {first}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
