@@ -19,7 +19,7 @@ import logging
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -98,7 +98,7 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
         records.extend(prompt_records(runs, temperature, target.tokenizer, params.greedy))
 
     results = {
-        "config": config_summary(cfg, target, len(prompts)),
+        "config": config_summary(cfg, target, len(prompts), drafter),
         "prompts": [{"index": i, "prompt_tokens": len(ids), "preview": _preview(p)}
                     for i, (p, ids) in enumerate(zip(prompts, encoded))],
         "summary": summary,
@@ -338,7 +338,8 @@ def prompt_records(runs: dict[str, list[Run]], temperature: float, tokenizer, gr
     return records
 
 
-def config_summary(cfg: ServeConfig, target: Target, num_prompts: int) -> dict[str, Any]:
+def config_summary(cfg: ServeConfig, target: Target, num_prompts: int,
+                   drafter: EagleDrafter | None = None) -> dict[str, Any]:
     head = cfg.head.path
     if head == "":
         packaged = packaged_head_dir(target.name)
@@ -350,7 +351,8 @@ def config_summary(cfg: ServeConfig, target: Target, num_prompts: int) -> dict[s
         "target_path": cfg.target.path,
         "head": head if "eagle" in cfg.bench.methods else None,
         "head_kind": cfg.head.kind,
-        "tree": {"depth": cfg.tree.depth, "topk": cfg.tree.topk, "total_tokens": cfg.tree.total_tokens},
+        "tree": asdict(drafter.shape) if drafter is not None else None,  # as used (tree=auto resolved)
+        "tree_auto": cfg.tree.auto,
         "device": str(device),
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                         else platform.processor() or platform.machine()),
@@ -391,13 +393,13 @@ def write_outputs(results: dict[str, Any], run_dir: Path) -> str:
 def write_markdown(results: dict[str, Any]) -> str:
     """The summary as Markdown: one row per (temperature, method), then EAGLE's acceptance by depth."""
     cfg = results["config"]
-    tree = cfg["tree"]
+    tree = cfg["tree"] or {"depth": "-", "topk": "-", "total_tokens": "-"}
     lines = [
         f"## Benchmark: {cfg['target']} on {cfg['dataset']}",
         "",
         f"{cfg['num_prompts']} prompts, max_new_tokens {cfg['max_new_tokens']}, ignore_eos {cfg['ignore_eos']}, "
         f"device {cfg['device']} ({cfg['dtype']}), head {cfg['head'] or '-'}, tree depth {tree['depth']} / "
-        f"topk {tree['topk']} / {tree['total_tokens']} tokens; torch {cfg['torch']}, "
+        f"topk {tree['topk']} / {tree['total_tokens']} tokens{' (tree=auto)' if cfg['tree_auto'] else ''}; torch {cfg['torch']}, "
         f"transformers {cfg['transformers']}",
         "",
         "| T | method | tokens/s | tau | speedup | mean wall/prompt (s) | greedy mismatches | note |",

@@ -265,6 +265,10 @@ def load_head(directory: str | Path, target) -> EagleHead:
     config_file, weights_file = directory / CONFIG_NAME, directory / WEIGHTS_NAME
     if not directory.is_dir():
         raise EagleLabError(f"head path '{directory}' does not exist or is not a directory")
+    from eagle_lab.interop import import_published, is_published_layout
+
+    if is_published_layout(directory):  # vLLM/SGLang/EAGLE layout, e.g. a downloaded EAGLE-3 head
+        return import_published(directory, target)
     if not config_file.is_file() or not weights_file.is_file():
         raise EagleLabError(f"head path '{directory}' needs {CONFIG_NAME} and {WEIGHTS_NAME}")
     try:
