@@ -235,11 +235,19 @@ def head_class(kind: str) -> type[EagleHead]:
     return classes[kind]
 
 
-def new_head(target, kind: str = "eagle2", draft_vocab_ids: torch.Tensor | None = None, seed: int = 0) -> EagleHead:
+def new_head(target, kind: str = "eagle2", draft_vocab_ids: torch.Tensor | None = None, seed: int = 0,
+             feature_layers: tuple[int, ...] = ()) -> EagleHead:
+    """A freshly initialised head for `target`; feature_layers overrides the kind's default
+    (EAGLE-3: hidden_states indices (2, L//2, L-3))."""
     cls = head_class(kind)
     size = 0 if draft_vocab_ids is None else draft_vocab_ids.numel()
-    arch = HeadArchitecture.for_target(target, kind=kind, draft_vocab_size=size,
-                                       feature_layers=cls.default_feature_layers(target.num_layers))
+    layers = tuple(feature_layers) or cls.default_feature_layers(target.num_layers)
+    if kind == "eagle2" and feature_layers:
+        raise EagleLabError("head.feature_layers applies to eagle3 heads only (EAGLE-2 reads the top feature)")
+    bad = [i for i in layers if not 0 <= i <= target.num_layers]
+    if bad:
+        raise EagleLabError(f"head.feature_layers {bad} outside 0..{target.num_layers} for target '{target.name}'")
+    arch = HeadArchitecture.for_target(target, kind=kind, draft_vocab_size=size, feature_layers=layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         head = cls(arch)

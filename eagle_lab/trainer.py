@@ -181,11 +181,14 @@ class Recipe:
         self._init_engine()
 
     def _layer_ids(self) -> tuple[int, ...]:
-        """Decoder layers the head reads (EAGLE-3 fuses three); EAGLE-2 reads only the top."""
-        return eagle3_layer_ids(self.target.num_layers) if self.cfg.head.kind == "eagle3" else ()
+        """Hidden states the head reads (EAGLE-3 fuses three); EAGLE-2 reads only the top."""
+        if self.cfg.head.kind != "eagle3":
+            return ()
+        return tuple(self.cfg.head.feature_layers) or eagle3_layer_ids(self.target.num_layers)
 
     def _new_head(self, vocab_ids):
-        head = new_head(self.target, kind=self.cfg.head.kind, draft_vocab_ids=vocab_ids, seed=self.cfg.head.seed)
+        head = new_head(self.target, kind=self.cfg.head.kind, draft_vocab_ids=vocab_ids, seed=self.cfg.head.seed,
+                        feature_layers=tuple(self.cfg.head.feature_layers))
         return head.float() if self.device.type == "cpu" else head
 
     def _sources(self):
@@ -196,7 +199,7 @@ class Recipe:
         root = Path(cfg.trainer.features_dir) if cfg.trainer.features_dir else cache_root() / "features"
         data_fp = {k: v for k, v in OmegaConf.to_container(OmegaConf.structured(cfg.data)).items() if k != "name"}
         # Shards always hold EAGLE-3's layers too: one capture then serves both head kinds.
-        capture_layers = eagle3_layer_ids(self.target.num_layers)
+        capture_layers = self.layer_ids or eagle3_layer_ids(self.target.num_layers)
         key = features_key(self.target.name, {**data_fp, "dtype": str(self.target.dtype)}, capture_layers)
         stores = []
         for split, rows in (("train", self.train_rows), ("eval", self.eval_rows)):
