@@ -147,7 +147,8 @@ def speculative_decode(
         positions = (past + tree.depths)[None]  # [1, N]
         out = target.forward(tree.tokens[None], cache, positions, tree.mask, layer_ids)
         stats.target_forwards += 1
-        accepted, bonus = verify(tree, target.logits(out.features[0]), params, generator)  # [L + 1], int
+        features = out.features[0]  # [N, H]
+        accepted, bonus = verify(tree, lambda node: target.logits(features[node]), params, generator)  # [L + 1]
         keep_accepted(cache, past, accepted)
         new_features = _head_features(out)[0, accepted]  # [L + 1, F]
         new_tokens = tree.tokens[accepted[1:]].tolist() + [bonus]

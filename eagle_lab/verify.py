@@ -32,52 +32,54 @@ later, so whole sequences follow the target's distribution.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from eagle_lab.sampling import SamplingParams, target_probs
 from eagle_lab.tree import DraftTree
 
 
-def verify(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, int]:
-    """logits: [N, V] target logits at every tree node.
+NodeLogits = Callable[[int], torch.Tensor]  # node index -> [V] target logits at that node
 
-    Returns (accepted node indices [L + 1] from the root down, bonus token id).
+
+def verify(
+    tree: DraftTree, node_logits: NodeLogits, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, int]:
+    """Walk the tree from the root; returns (accepted node indices [L + 1], bonus token id).
+
+    node_logits is asked only for nodes on the accepted path: the LM head over a large
+    vocabulary is a big part of a CPU round, so rows nobody reads are never computed.
     """
     if params.greedy:
-        return verify_greedy(tree, logits)
-    return verify_sampling(tree, target_probs(logits, params), generator)
+        return verify_greedy(tree, node_logits)
+    return verify_sampling(tree, lambda node: target_probs(node_logits(node), params), generator)
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
-    best = logits.argmax(dim=-1)  # [N] the target's choice after each node
-    # a child is accepted when its token is the target's choice at its parent
-    good = torch.zeros_like(tree.tokens, dtype=torch.bool)
-    good[1:] = tree.tokens[1:] == best[tree.parents[1:]]
-    path = [0]
+def verify_greedy(tree: DraftTree, node_logits: NodeLogits) -> tuple[torch.Tensor, int]:
     children = _children(tree)
-    node = 0
+    tokens = tree.tokens.tolist()
+    path, node = [0], 0
     while True:
-        nxt = [c for c in children[node] if good[c]]
-        if not nxt:
-            break
-        node = nxt[0]  # sibling tokens are distinct, so at most one matches
+        best = int(node_logits(node).argmax())  # the target's choice after this node
+        match = [c for c in children[node] if tokens[c] == best]  # sibling tokens are distinct
+        if not match:
+            return torch.tensor(path, device=tree.tokens.device), best
+        node = match[0]
         path.append(node)
-    accepted = torch.tensor(path, device=tree.tokens.device)
-    return accepted, int(best[node])
 
 
 def verify_sampling(
-    tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None
+    tree: DraftTree, node_probs: Callable[[int], torch.Tensor], generator: torch.Generator | None
 ) -> tuple[torch.Tensor, int]:
-    """probs: [N, V] target probabilities p at every node."""
+    """node_probs: node index -> [V] target probabilities p at that node."""
     children = _children(tree)
     tokens = tree.tokens.tolist()
     path = [0]
     node = 0
     while True:
-        residual = probs[node].clone()  # [V]
+        p = node_probs(node)
+        residual = p.clone()  # [V]
         accepted_child = None
         for child in children[node]:
             token = tokens[child]
@@ -89,7 +91,7 @@ def verify_sampling(
             residual[token] = 0.0
         if accepted_child is None:
             if float(residual.sum()) <= 0.0:  # candidates covered the whole support (float dust)
-                residual = probs[node]
+                residual = p
             bonus = int(torch.multinomial(residual, 1, generator=generator))
             return torch.tensor(path, device=tree.tokens.device), bonus
         node = accepted_child

@@ -70,7 +70,7 @@ def sample_two_step(rule, tree, probs, samples, seed):
     g = torch.Generator().manual_seed(seed)
     counts = {}
     for _ in range(samples):
-        accepted, bonus = rule(tree, probs, g)
+        accepted, bonus = rule(tree, lambda node: probs[node], g)
         emitted = tree.tokens[accepted[1:]].tolist() + [bonus]
         key = (emitted[0], emitted[1]) if accepted.numel() > 1 else (emitted[0], None)
         counts[key] = counts.get(key, 0) + 1
@@ -85,8 +85,9 @@ def test_verify_rule_keeps_distribution():
     assert chi_square_pvalue(counts, exact_two_step(tree, probs), samples) > ALPHA
 
 
-def broken_rule(tree, probs, generator):
+def broken_rule(tree, node_probs, generator):
     """Wrong on purpose: a rejected sibling is not removed from the final draw."""
+    probs = torch.stack([node_probs(i) for i in range(tree.size)])
     node, path = 0, [0]
     while True:
         children = [c for c in range(tree.size) if tree.parents[c] == node]
