@@ -48,8 +48,8 @@ class TreeSearchConfig:
     depths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 7])
     topks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
     totals: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 60])
-    record_shape: tuple[int, int, int] = (7, 8, 64)
-    new_tokens: int = 64
+    record_shape: tuple[int, int, int] = (7, 8, 64)  # the largest shape searched: its candidates contain all others'
+    new_tokens: int = 48
     context: int = 256
 
 
@@ -178,14 +178,12 @@ def record(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_
             prompt = torch.tensor(ids, device=target.device)
             decoder = speculative_decode(target, drafter, prompt, SamplingParams(),
                                          Stopper(target.tokenizer, new_tokens, set()))
-            tokens, start = [], time.perf_counter()
-            stamps = []
-            for chunk in decoder:
+            tokens, stamps = [], []
+            for chunk in decoder:  # the first chunk is the prefill, then one chunk per round
                 tokens.extend(chunk)
                 stamps.append(time.perf_counter())
             round_ms += [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
             outputs.append((prompt.numel(), tokens))
-            del start
     finally:
         drafter.draft = original_draft
     replay = []
