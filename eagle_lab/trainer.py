@@ -260,6 +260,7 @@ class Recipe:
         stop_at = min(tcfg.max_steps, tcfg.stop_at) if tcfg.stop_at > 0 else tcfg.max_steps
         bar = tqdm(total=tcfg.max_steps, initial=self.step, desc="train", unit="step", disable=self.rank != 0)
         window_tokens, window_start = 0, time.perf_counter()
+        evaluated_at = -1
         while self.step < stop_at:
             metrics: dict[str, float] = {}
             for _ in range(tcfg.grad_accum):
@@ -278,6 +279,7 @@ class Recipe:
                 window_tokens, window_start = 0, time.perf_counter()
             if self.step % tcfg.eval_every == 0 or self.step == tcfg.max_steps:
                 self._log({"step": self.step, **self.evaluate()})
+                evaluated_at = self.step
             out_of_time = tcfg.time_limit_min > 0 and time.perf_counter() - started > 60 * tcfg.time_limit_min
             if self.step % tcfg.save_every == 0 or self.step == stop_at or out_of_time:
                 self.save_checkpoint()
@@ -286,6 +288,8 @@ class Recipe:
                          "trainer.resume=true", tcfg.time_limit_min, self.step)
                 break
         bar.close()
+        if self.step > 0 and evaluated_at != self.step:  # stopped early: still report where it got
+            self._log({"step": self.step, **self.evaluate()})
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
