@@ -63,8 +63,8 @@ class OracleDrafter:
             if self.wrong_siblings:
                 tokens.append(int(logits.argsort(descending=True)[1]))
                 parents.append(parents[-1])
-            context = torch.cat([context, torch.tensor([best])])
-        return build_tree(torch.tensor(tokens), torch.tensor(parents))
+            context = torch.cat([context, torch.tensor([best], device=context.device)])
+        return build_tree(torch.tensor(tokens, device=sequence.device), torch.tensor(parents, device=sequence.device))
 
 
 class NoisyDrafter:
@@ -106,3 +106,13 @@ class NoisyDrafter:
                     next_frontier.append(len(tokens) - 1)
             frontier = next_frontier
         return build_tree(torch.tensor(tokens), torch.tensor(parents))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` run only where a CUDA device exists."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

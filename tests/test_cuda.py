@@ -1,0 +1,23 @@
+"""CUDA paths: bf16 tree attention and the whole loop on a GPU (skipped on CPU)."""
+
+import pytest
+import torch
+
+from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.head import new_head
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import TargetConfig, load_target
+from tests.conftest import OracleDrafter
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_equals_plain_on_cuda(dtype):
+    target = load_target(TargetConfig(name="tiny_llama", source="tiny", device="cuda", dtype=dtype))
+    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0)).cuda()
+    greedy = SamplingParams()
+    plain = generate(vanilla_decode(target, prompt, greedy, Stopper(target.tokenizer, 40, set())))
+    for drafter in (EagleDrafter(new_head(target), target, TreeShape(6, 10, 60)), OracleDrafter(target)):
+        spec = generate(speculative_decode(target, drafter, prompt, greedy, Stopper(target.tokenizer, 40, set())))
+        assert spec.token_ids == plain.token_ids
