@@ -90,7 +90,7 @@ def test_resume_continues_with_the_same_losses(tmp_path):
         recipe.train()
         return recipe
 
-    straight = run(smoke_cfg(tmp_path / "a"))
+    run(smoke_cfg(tmp_path / "a"))  # uninterrupted reference
     first = run(smoke_cfg(tmp_path / "b", "trainer.stop_at=5"))  # as if killed after the step-5 checkpoint
     assert first.step == 5
     with pytest.raises(EagleLabError, match="resume"):

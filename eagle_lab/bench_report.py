@@ -1,0 +1,107 @@
+"""Benchmark reports: results.json, a Markdown table (also printed) and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+REFERENCE = "vanilla"  # the method every speedup is measured against
+
+
+def write_outputs(results: dict[str, Any], run_dir: Path) -> str:
+    """results.json, results.md and bench.png in `run_dir`; the table also goes to stdout."""
+    (run_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    table = write_markdown(results)
+    (run_dir / "results.md").write_text(table, encoding="utf-8")
+    plot(results, run_dir / "bench.png")
+    print(table, flush=True)
+    log.info("wrote %s, %s and %s", run_dir / "results.json", run_dir / "results.md", run_dir / "bench.png")
+    return table
+
+
+def write_markdown(results: dict[str, Any]) -> str:
+    """The summary as Markdown: one row per (temperature, method), then EAGLE's acceptance by depth."""
+    cfg = results["config"]
+    tree = cfg["tree"] or {"depth": "-", "topk": "-", "total_tokens": "-"}
+    lines = [
+        f"## Benchmark: {cfg['target']} on {cfg['dataset']}",
+        "",
+        f"{cfg['num_prompts']} prompts, max_new_tokens {cfg['max_new_tokens']}, ignore_eos {cfg['ignore_eos']}, "
+        f"device {cfg['device']} ({cfg['dtype']}), head {cfg['head'] or '-'}, tree depth {tree['depth']} / "
+        f"topk {tree['topk']} / {tree['total_tokens']} tokens{' (tree=auto)' if cfg['tree_auto'] else ''}; torch {cfg['torch']}, "
+        f"transformers {cfg['transformers']}",
+        "",
+        "| T | method | tokens/s | tau | speedup | mean wall/prompt (s) | greedy mismatches | note |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for temperature, methods in results["summary"].items():
+        for method, row in methods.items():
+            if row["status"] != "ok":
+                lines.append(f"| {temperature} | {method} | - | - | - | - | - | {row['note']} |")
+                continue
+            mismatches = "-" if row["greedy_mismatches"] is None else f"{row['greedy_mismatches']}/{row['prompts']}"
+            note = "reference" if method == REFERENCE else row["note"]
+            lines.append(
+                f"| {temperature} | {method} | {_fmt(row['tokens_per_s'], '.1f')} | {_fmt(row['tau'], '.2f')} | "
+                f"{_fmt(row['speedup'], '.2f', 'x')} | {_fmt(row['mean_wall_s'], '.3f')} | {mismatches} | {note} |"
+            )
+    depth_rows = {t: m["eagle"]["acceptance_by_depth"] for t, m in results["summary"].items()
+                  if m.get("eagle", {}).get("acceptance_by_depth")}
+    if depth_rows:
+        depth = max(len(rows) for rows in depth_rows.values())
+        lines += ["", "EAGLE acceptance rate by tree depth (accepted / reached):", "",
+                  "| T | " + " | ".join(f"d={d}" for d in range(1, depth + 1)) + " |",
+                  "|---|" + "---:|" * depth]
+        for temperature, rows in depth_rows.items():
+            cells = [f"{_fmt(r['rate'], '.2f')} ({r['accepted']}/{r['reached']})" for r in rows]
+            cells += ["-"] * (depth - len(cells))
+            lines.append(f"| {temperature} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Two panels: EAGLE's acceptance rate by depth, and tokens/s by method (bars per temperature)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    summary = results["summary"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    plotted = False
+    for temperature, methods in summary.items():
+        rows = methods.get("eagle", {}).get("acceptance_by_depth") or []
+        points = [(r["depth"], r["rate"]) for r in rows if r["rate"] is not None]
+        if points:
+            left.plot(*zip(*points), marker="o", label=f"T={temperature}")
+            plotted = True
+    left.set(title="EAGLE acceptance rate by depth", xlabel="tree depth d",
+             ylabel="P(accept >= d | tree reached d)", ylim=(0, 1.05))
+    if plotted:
+        left.legend()
+        left.xaxis.set_major_locator(MaxNLocator(integer=True))
+    else:
+        left.text(0.5, 0.5, "eagle not run", ha="center", va="center", transform=left.transAxes)
+
+    methods = list(results["config"]["methods"])
+    width = 0.8 / max(len(summary), 1)
+    for offset, (temperature, rows) in enumerate(summary.items()):
+        xs = [i + (offset - (len(summary) - 1) / 2) * width for i in range(len(methods))]
+        heights = [rows.get(m, {}).get("tokens_per_s") or 0.0 for m in methods]
+        right.bar(xs, heights, width=width, label=f"T={temperature}")
+    right.set_xticks(range(len(methods)), methods, rotation=15)
+    right.set(title="Throughput by method", ylabel="tokens/s")
+    right.legend()
+    cfg = results["config"]
+    fig.suptitle(f"{cfg['target']} on {cfg['dataset']} ({cfg['num_prompts']} prompts, {cfg['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
