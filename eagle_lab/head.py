@@ -257,10 +257,12 @@ def new_head(target, kind: str = "eagle2", draft_vocab_ids: torch.Tensor | None 
     return head.to(device=target.device, dtype=target.dtype)
 
 
-def save_head(head: EagleHead, directory: str | Path) -> Path:
+def save_head(head: EagleHead, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """config.json + model.safetensors; dtype casts floating weights (bf16 halves a packaged head)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+             for k, v in head.state_dict().items()}
     save_file(state, str(directory / (WEIGHTS_NAME + ".tmp")))
     (directory / (CONFIG_NAME + ".tmp")).write_text(json.dumps(asdict(head.arch), indent=2))
     (directory / (WEIGHTS_NAME + ".tmp")).replace(directory / WEIGHTS_NAME)
