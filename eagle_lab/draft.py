@@ -91,9 +91,11 @@ class EagleDrafter:
     def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
         device = sequence.device
         root = int(sequence[-1])
+        if self.shape.depth < 1 or self.shape.total_tokens < 1 or self.shape.topk < 1:
+            return root_only_tree(root, device)  # drafting is off (tree=auto found it does not pay): skip the head
         depth = min(self.shape.depth, max_depth)
-        if depth < 1 or self.shape.total_tokens < 1 or self.shape.topk < 1:
-            self._commit(sequence, new_features)  # keep the head cache in step even without a tree
+        if depth < 1:
+            self._commit(sequence, new_features)  # near the context limit: keep the head cache in step
             return root_only_tree(root, device)
         hidden = self._commit(sequence, new_features)[:, -1]  # [1, H] predicted feature at the root
         k = min(self.shape.topk, self.head.arch.draft_vocab_size)

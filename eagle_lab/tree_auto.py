@@ -72,8 +72,8 @@ class CostModel:
         return self.target_ms[hi] + (k - hi) * (self.target_ms[hi] - self.target_ms[lo]) / (hi - lo)
 
     def round_ms(self, shape: TreeShape) -> float:
-        if shape.depth == 0:  # no draft: one token per round, the head only keeps its cache
-            return self.target(1) + self.first_level_ms + self.overhead_ms
+        if shape.depth == 0:  # no draft: one token per round, the head is not run at all
+            return self.target(1) + self.overhead_ms
         level = self.level_ms.get(shape.topk) or max(self.level_ms.values())
         return (self.target(shape.total_tokens + 1) + self.first_level_ms + (shape.depth - 1) * level
                 + self.overhead_ms)

@@ -121,3 +121,11 @@ def test_head_cache_equals_recomputation_after_multi_token_rounds(tiny_target):
     cached = eagle.cache.keys[:, :, :committed]
     assert cached.shape == fresh.keys.shape
     torch.testing.assert_close(cached, fresh.keys, atol=1e-4, rtol=1e-4)
+
+
+def test_drafting_off_skips_the_head_and_matches(tiny_llama):
+    """tree=auto may switch drafting off: then every round is a plain one-token step."""
+    drafter = EagleDrafter(new_head(tiny_llama, seed=5), tiny_llama, TreeShape(0, 0, 0))
+    plain, spec = run_both(tiny_llama, drafter, prompts(1)[0], new_tokens=20)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.target_forwards == plain.stats.target_forwards and drafter.committed == 0
