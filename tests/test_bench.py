@@ -10,7 +10,7 @@ import torch
 
 from eagle_lab.bench import METHODS, acceptance_by_depth, cut_hf_output, run_bench
 from eagle_lab.bench_data import load_bench_prompts
-from eagle_lab.config import BenchConfig, HeadConfig, ServeConfig
+from eagle_lab.config import BenchConfig, HeadConfig, ServeConfig, TreeConfig
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats
 from eagle_lab.target import TargetConfig
@@ -27,6 +27,7 @@ def bench_run(tmp_path_factory):
     cfg = ServeConfig(
         target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
         head=HeadConfig(path="random"),
+        tree=TreeConfig(auto=False, depth=4, topk=4, total_tokens=12),  # a fixed tree: eagle must draft here
         bench=BenchConfig(dataset=str(prompts_file), limit=0, methods=list(METHODS), temperatures=[0.0, 1.0],
                           warmup=1),
         mode="bench",
@@ -49,7 +50,7 @@ def test_bench_writes_results(bench_run, capsys):
     assert saved["summary"] == json.loads(json.dumps(results["summary"]))
     config = saved["config"]
     assert config["target"] == "tiny_llama" and config["head"] == "random" and config["device"] == "cpu"
-    assert set(config["tree"]) == {"depth", "topk", "total_tokens"}  # the shape actually used
+    assert config["tree"] == {"depth": 4, "topk": 4, "total_tokens": 12}  # the shape actually used
     assert config["torch"] and config["transformers"] and config["num_prompts"] == 3
     assert set(saved["summary"]) == {"0.0", "1.0"}
     for temperature, methods in saved["summary"].items():
