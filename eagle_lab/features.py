@@ -34,6 +34,20 @@ class Example:
     loss_mask: torch.Tensor  # [T] bool
     features: torch.Tensor  # [T, H]
     layer_features: torch.Tensor | None = None  # [T, n*H]
+    target_token: torch.Tensor | None = None  # [T] the target's greedy next token at each position
+
+
+@torch.no_grad()
+def greedy_tokens(target: Target, top: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """[..., T, H] top features -> [..., T] argmax of the target's full-vocabulary logits,
+    in chunks of positions so the [chunk, V] logits stay small."""
+    weight = target.lm_head.weight
+    flat = top.reshape(-1, top.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+    for start in range(0, flat.shape[0], chunk):
+        piece = flat[start: start + chunk].to(device=weight.device, dtype=weight.dtype)
+        out[start: start + chunk] = torch.nn.functional.linear(piece, weight).argmax(-1).to(out.device)
+    return out.view(top.shape[:-1])
 
 
 def eagle3_layer_ids(num_layers: int) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle_lab.config import LossConfig
+from eagle_lab.features import greedy_tokens
 from eagle_lab.head import draft_lm_head_weight
 from eagle_lab.ttt import unrolled_hidden
 
@@ -29,6 +30,11 @@ class Batch:
     valid: torch.Tensor  # [B, T] bool, False on padding
     top: torch.Tensor  # [B, T, H] target top features
     inputs: torch.Tensor  # [B, T, F] head input features (top, or concatenated layers for EAGLE-3)
+    target_token: torch.Tensor | None = None  # [B, T] target's greedy next token; None = compute from top
+
+    def greedy(self, target) -> torch.Tensor:
+        """[B, T] the target's greedy token after each position (cached per example by the trainer)."""
+        return self.target_token if self.target_token is not None else greedy_tokens(target, self.top)
 
 
 def _unroll(head, target, batch: Batch, steps: int, noise_std: float):
@@ -48,22 +54,22 @@ def _weights(batch: Batch, step: int) -> torch.Tensor:
     return w
 
 
-def _draftable(head, target, goal: torch.Tensor) -> torch.Tensor:
+def _draftable(head, target, batch: Batch) -> torch.Tensor:
     """[B, T-1] 1.0 where the target's greedy token is in the draft vocabulary."""
-    in_draft = torch.zeros(target.vocab_size, dtype=torch.bool, device=goal.device)
-    in_draft[head.draft_to_target] = True
-    full = F.linear(goal.to(target.lm_head.weight.dtype), target.lm_head.weight)  # [B, T-1, V]
-    return in_draft[full.argmax(-1)].float()
+    goal_token = batch.greedy(target)[:, 1:]  # [B, T-1]
+    in_draft = torch.zeros(target.vocab_size, dtype=torch.bool, device=goal_token.device)
+    in_draft[head.draft_to_target.to(goal_token.device)] = True
+    return in_draft[goal_token].float()
 
 
 def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: LossConfig, steps: int):
     """-> (scalar loss, {metric: float}). target_rows: [Vd, H] target LM-head rows of the draft vocab."""
     outputs = _unroll(head, target, batch, steps, cfg.noise_std)
     goal = batch.top[:, 1:].to(outputs[0].dtype)  # [B, T-1, H] f_{p+1}
-    with torch.no_grad():
-        p = F.linear(goal, target_rows).float().softmax(-1)  # [B, T-1, Vd]
+    with torch.no_grad(), torch.autocast(device_type=goal.device.type, enabled=False):  # teacher in full precision
+        p = F.linear(goal.float(), target_rows.float()).softmax(-1)  # [B, T-1, Vd]
         p_top = p.argmax(-1)
-        drafted = _draftable(head, target, goal) if cfg.mask_outside_draft_vocab and head.reduced_vocab else None
+        drafted = _draftable(head, target, batch) if cfg.mask_outside_draft_vocab and head.reduced_vocab else None
     total, metrics = 0.0, {}
     for j, hidden in enumerate(outputs, start=1):
         w = _weights(batch, j)
@@ -86,11 +92,10 @@ def heldout_accuracy(head, target, batches, depth: int) -> dict[str, float]:
     """Top-1 accuracy at draft positions 1..depth against the target's own argmax over the
     full vocabulary, and the chain tau it implies: 1 + sum_d prod_{i<=d} acc_i."""
     hits, counts = torch.zeros(depth), torch.zeros(depth)
-    full_rows = target.lm_head.weight
     rows = draft_lm_head_weight(head, target)
     for batch in batches:
         outputs = _unroll(head, target, batch, depth, 0.0)
-        target_token = F.linear(batch.top[:, 1:].to(full_rows.dtype), full_rows).argmax(-1)  # [B, T-1]
+        target_token = batch.greedy(target)[:, 1:]  # [B, T-1]
         for j, hidden in enumerate(outputs, start=1):
             w = _weights(batch, j).bool()
             draft_ids = head.draft_logits(hidden, rows).argmax(-1)

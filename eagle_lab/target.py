@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from eagle_lab.device import resolve_device, resolve_dtype
 from eagle_lab.errors import EagleLabError
+from eagle_lab.model_shape import ModelShape
 from eagle_lab.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class TargetOutput:
     layer_features: torch.Tensor | None = None  # [B, K, n*H] chosen layers (EAGLE-3)
 
 
-class Target:
+class Target(ModelShape):
     """A frozen causal LM plus its tokenizer, with the few operations decoding needs."""
 
     def __init__(self, model, tokenizer, name: str, max_context: int = 0):
@@ -67,20 +68,8 @@ class Target:
         return self.lm_head.weight.dtype
 
     @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
     def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def model_type(self) -> str:
-        return self.config.model_type
+        return self.lm_head.weight.shape[0]  # the LM head's rows (configs may round up)
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -27,7 +27,8 @@ from eagle_lab.config import TrainConfig, to_object
 from eagle_lab.data import build_datasets
 from eagle_lab.embedded import cache_root
 from eagle_lab.errors import EagleLabError
-from eagle_lab.features import Example, ShardStore, capture, compute_features, eagle3_layer_ids, features_key
+from eagle_lab.features import (Example, ShardStore, capture, compute_features, eagle3_layer_ids, features_key,
+                                greedy_tokens)
 from eagle_lab.head import draft_lm_head_weight, new_head, save_head
 from eagle_lab.losses import Batch, heldout_accuracy, training_loss
 from eagle_lab.target import Target, load_target
@@ -117,7 +118,13 @@ def collate(examples: list[Example], device: torch.device, dtype: torch.dtype, u
         top[i, :n] = e.features.to(dtype)
         if use_layers:
             inputs[i, :n] = e.layer_features.to(dtype)
-    return Batch(ids.to(device), mask.to(device), valid.to(device), top.to(device), inputs.to(device))
+    greedy = None
+    if all(e.target_token is not None for e in examples):
+        greedy = torch.zeros(b, longest, dtype=torch.long)
+        for i, e in enumerate(examples):
+            greedy[i, : e.target_token.numel()] = e.target_token
+        greedy = greedy.to(device)
+    return Batch(ids.to(device), mask.to(device), valid.to(device), top.to(device), inputs.to(device), greedy)
 
 
 class ExampleSource:
@@ -125,23 +132,55 @@ class ExampleSource:
 
     def __init__(self, target: Target, dataset, store: ShardStore | None, layer_ids: tuple[int, ...]):
         self.target, self.dataset, self.store, self.layer_ids = target, dataset, store, layer_ids
+        self._lengths: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.store) if self.store is not None else len(self.dataset)
 
-    def get(self, indices: list[int]) -> list[Example]:
+    def lengths(self) -> list[int]:
+        if self._lengths is None:
+            self._lengths = ([e.input_ids.numel() for e in self.store.examples] if self.store is not None
+                             else [len(r["input_ids"]) for r in self.dataset])
+        return self._lengths
+
+    def get(self, indices: list[int], with_greedy: bool = False) -> list[Example]:
+        """with_greedy: also attach the target's greedy tokens, computed once per stored example
+        (a full-vocabulary LM-head pass costs as much as a training step's head work)."""
         if self.store is not None:
-            return [self.store[i] for i in indices]
-        rows = [self.dataset[i] for i in indices]
-        computed = compute_features(self.target, [r["input_ids"] for r in rows], self.layer_ids)
-        return [Example(torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"], dtype=torch.bool), f, lf)
-                for r, (f, lf) in zip(rows, computed)]
+            examples = [self.store[i] for i in indices]
+        else:
+            rows = [self.dataset[i] for i in indices]
+            computed = compute_features(self.target, [r["input_ids"] for r in rows], self.layer_ids)
+            examples = [Example(torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"], dtype=torch.bool), f, lf)
+                        for r, (f, lf) in zip(rows, computed)]
+        if with_greedy:
+            for example in examples:
+                if example.target_token is None:
+                    example.target_token = greedy_tokens(self.target, example.features).cpu()
+        return examples
 
 
-def epoch_order(count: int, seed: int, epoch: int) -> list[int]:
+def epoch_order(count: int, seed: int, epoch: int, lengths: list[int] | None = None,
+                batch_size: int = 1) -> list[int]:
+    """A seeded permutation of the examples for one epoch.
+
+    With `lengths`, the permutation is cut into windows of 64 batches, each window sorted
+    by length and its batches shuffled again: every batch holds sequences of similar
+    length (little padding), while each epoch still visits every example once in an
+    order that depends only on (seed, epoch), so resuming replays it exactly.
+    """
+    rng = random.Random(seed * 100003 + epoch)
     order = list(range(count))
-    random.Random(seed * 100003 + epoch).shuffle(order)
-    return order
+    rng.shuffle(order)
+    if lengths is None or batch_size < 1:
+        return order
+    window = 64 * batch_size
+    batches = []
+    for start in range(0, count, window):
+        chunk = sorted(order[start: start + window], key=lambda i: lengths[i], reverse=True)
+        batches += [chunk[i: i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return [i for batch in batches for i in batch]
 
 
 # ---- the recipe ----------------------------------------------------------------------------
@@ -159,6 +198,8 @@ class Recipe:
             raise EagleLabError(f"trainer.features must be offline or online, got '{cfg.trainer.features}'")
         if cfg.trainer.max_steps < 1 or cfg.trainer.micro_batch_size < 1 or cfg.trainer.grad_accum < 1:
             raise EagleLabError("trainer.max_steps, micro_batch_size and grad_accum must be >= 1")
+        if cfg.trainer.cpu_autocast not in ("auto", "on", "off"):
+            raise EagleLabError(f"trainer.cpu_autocast must be auto, on or off, got '{cfg.trainer.cpu_autocast}'")
         if cfg.head.kind not in ("eagle2", "eagle3"):
             raise EagleLabError(f"unknown head kind '{cfg.head.kind}' (eagle2 or eagle3)")
         if ckpt.latest_checkpoint(self.ckpt_dir) and not cfg.trainer.resume:
@@ -241,14 +282,30 @@ class Recipe:
     def _next_indices(self) -> list[int]:
         """The next micro-batch of this rank, walking a seeded per-epoch permutation."""
         size = self.cfg.trainer.micro_batch_size * self.world
-        order = epoch_order(len(self.train_source), self.cfg.trainer.seed, self.epoch)
+        order = self._epoch_order(size)
         if self.cursor + size > len(order):
             self.epoch, self.cursor = self.epoch + 1, 0
-            order = epoch_order(len(self.train_source), self.cfg.trainer.seed, self.epoch)
+            order = self._epoch_order(size)
         chunk = order[self.cursor: self.cursor + size]
         self.cursor += size
         mine = chunk[self.rank::self.world]
         return mine or chunk[:1]
+
+    @property
+    def loss_needs_greedy(self) -> bool:
+        return self.cfg.loss.mask_outside_draft_vocab and self.head.reduced_vocab
+
+    def _autocast(self):
+        """bf16 matmuls for CPU training (fp32 weights and optimizer state stay); on CUDA,
+        DeepSpeed's bf16 setting decides instead."""
+        mode = self.cfg.trainer.cpu_autocast
+        enabled = self.device.type == "cpu" and (
+            mode == "on" or (mode == "auto" and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        return torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=enabled)
+
+    def _epoch_order(self, size: int) -> list[int]:
+        lengths = self.train_source.lengths() if self.cfg.trainer.group_by_length else None
+        return epoch_order(len(self.train_source), self.cfg.trainer.seed, self.epoch, lengths, size)
 
     def _batch(self, examples: list[Example]) -> Batch:
         return collate(examples, self.device, self.head.fc.weight.dtype, use_layers=bool(self.layer_ids))
@@ -264,8 +321,10 @@ class Recipe:
         while self.step < stop_at:
             metrics: dict[str, float] = {}
             for _ in range(tcfg.grad_accum):
-                batch = self._batch(self.train_source.get(self._next_indices()))
-                loss, metrics = training_loss(self.engine.module, self.target, rows, batch, cfg.loss, cfg.head.ttt_steps)
+                batch = self._batch(self.train_source.get(self._next_indices(), with_greedy=self.loss_needs_greedy))
+                with self._autocast():
+                    loss, metrics = training_loss(self.engine.module, self.target, rows, batch, cfg.loss,
+                                                  cfg.head.ttt_steps)
                 self.engine.backward(loss)
                 self.engine.step()
                 window_tokens += int(batch.valid.sum())
@@ -296,7 +355,7 @@ class Recipe:
         self.head.eval()
         count = min(len(self.eval_source), self.cfg.trainer.eval_sequences)
         size = self.cfg.trainer.micro_batch_size
-        batches = (self._batch(self.eval_source.get(list(range(i, min(count, i + size)))))
+        batches = (self._batch(self.eval_source.get(list(range(i, min(count, i + size))), with_greedy=True))
                    for i in range(0, count, size))
         result = heldout_accuracy(self.head, self.target, batches, self.cfg.trainer.eval_depth)
         self.head.train()

@@ -208,3 +208,12 @@ def test_build_datasets_deterministic_split(tmp_path):
     subset = DataConfig(**{**cfg.__dict__, "num_conversations": 10})
     subset_train, subset_eval, _ = build_datasets(subset, byte_tokenizer())
     assert (len(subset_train), len(subset_eval)) == (9, 1)  # at least one held out
+
+
+def test_missing_data_package_names_what_to_install():
+    from eagle_lab.packages import package_data_file
+
+    with pytest.raises(EagleLabError, match="pip install --no-deps no-such-dist"):
+        package_data_file("no_such_module_here", "data/x.json", "no-such-dist", "Some data")
+    with pytest.raises(EagleLabError, match="has no data/missing.json"):
+        package_data_file("eagle_lab", "data/missing.json", "eagle-lab", "Some data")
