@@ -183,6 +183,14 @@ def epoch_order(count: int, seed: int, epoch: int, lengths: list[int] | None = N
     return [i for batch in batches for i in batch]
 
 
+def cpu_has_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively here (AVX512-BF16/AMX); emulated bf16 is slower."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 # ---- the recipe ----------------------------------------------------------------------------
 
 class Recipe:
@@ -269,6 +277,7 @@ class Recipe:
         self.engine, _, _, _ = deepspeed.initialize(model=self.head, optimizer=optimizer, lr_scheduler=scheduler,
                                                     config=deepspeed_config(cfg, self.device))
         self.step, self.epoch, self.cursor = 0, 0, 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, its example order)
         latest = ckpt.latest_checkpoint(self.ckpt_dir) if cfg.trainer.resume else None
         if latest is not None:
             _, client = self.engine.load_checkpoint(str(latest), tag=ckpt.TAG)
@@ -299,13 +308,15 @@ class Recipe:
         """bf16 matmuls for CPU training (fp32 weights and optimizer state stay); on CUDA,
         DeepSpeed's bf16 setting decides instead."""
         mode = self.cfg.trainer.cpu_autocast
-        enabled = self.device.type == "cpu" and (
-            mode == "on" or (mode == "auto" and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        enabled = self.device.type == "cpu" and (mode == "on" or (mode == "auto" and cpu_has_bf16()))
         return torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=enabled)
 
     def _epoch_order(self, size: int) -> list[int]:
-        lengths = self.train_source.lengths() if self.cfg.trainer.group_by_length else None
-        return epoch_order(len(self.train_source), self.cfg.trainer.seed, self.epoch, lengths, size)
+        if self._order is None or self._order[0] != self.epoch:
+            lengths = self.train_source.lengths() if self.cfg.trainer.group_by_length else None
+            self._order = (self.epoch, epoch_order(len(self.train_source), self.cfg.trainer.seed, self.epoch,
+                                                   lengths, size))
+        return self._order[1]
 
     def _batch(self, examples: list[Example]) -> Batch:
         return collate(examples, self.device, self.head.fc.weight.dtype, use_layers=bool(self.layer_ids))
