@@ -67,7 +67,7 @@ def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: Lo
     outputs = _unroll(head, target, batch, steps, cfg.noise_std)
     goal = batch.top[:, 1:].to(outputs[0].dtype)  # [B, T-1, H] f_{p+1}
     with torch.no_grad(), torch.autocast(device_type=goal.device.type, enabled=False):  # teacher in full precision
-        p = F.linear(goal.float(), target_rows.float()).softmax(-1)  # [B, T-1, Vd]
+        p = F.linear(batch.top[:, 1:].float(), target_rows.float()).softmax(-1)  # [B, T-1, Vd], not autocast-rounded
         p_top = p.argmax(-1)
         drafted = _draftable(head, target, batch) if cfg.mask_outside_draft_vocab and head.reduced_vocab else None
     total, metrics = 0.0, {}
