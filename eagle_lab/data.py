@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ import datasets
 
 from eagle_lab.errors import EagleLabError
 from eagle_lab.packages import package_data_file
+from eagle_lab.regenerate import RegenerateConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ class DataConfig:
     max_length: int = 2048  # tokens per example, truncated
     eval_fraction: float = 0.02  # held-out split
     seed: int = 0
-    regenerate: bool = False  # used by the training entry point
+    # Self-distillation: replies rewritten by the target (eagle_lab.regenerate), needs the target
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
 
 @dataclass
@@ -265,11 +267,25 @@ def load_conversations(cfg: DataConfig) -> tuple[list[list[dict[str, str]]], Dat
     return conversations, stats
 
 
-def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[datasets.Dataset, datasets.Dataset, DataStats]:
-    """Tokenized train and eval datasets (columns input_ids, loss_mask) and their stats."""
+Rewrite = Callable[[list[list[dict[str, str]]]], tuple[list[list[dict[str, str]]], int]]
+
+
+def build_datasets(
+    cfg: DataConfig, tokenizer: Any, rewrite: Rewrite | None = None
+) -> tuple[datasets.Dataset, datasets.Dataset, DataStats]:
+    """Tokenized train and eval datasets (columns input_ids, loss_mask) and their stats.
+
+    rewrite: conversations -> (new conversations, number dropped), applied before tokenizing
+    (self-distillation, `data.regenerate`).
+    """
     if not 0 <= cfg.eval_fraction < 1:
         raise EagleLabError(f"data.eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
     conversations, stats = load_conversations(cfg)
+    if conversations and rewrite is not None:
+        conversations, dropped = rewrite(conversations)
+        if dropped:
+            stats.skipped["regenerate_failed"] = dropped
+        stats.kept = len(conversations)
     if not conversations:
         raise EagleLabError(f"no usable conversations in data '{cfg.name}': {stats.summary()}")
 

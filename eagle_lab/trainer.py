@@ -31,6 +31,7 @@ from eagle_lab.features import (Example, ShardStore, capture, compute_features, 
                                 greedy_tokens)
 from eagle_lab.head import draft_lm_head_weight, new_head, save_head
 from eagle_lab.losses import Batch, heldout_accuracy, training_loss
+from eagle_lab.regenerate import ReplyWriter, regenerate_conversations, regenerate_key
 from eagle_lab.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,7 @@ class Recipe:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             OmegaConf.save(OmegaConf.structured(cfg), self.run_dir / "resolved_config.yaml")
-        train_rows, eval_rows, stats = build_datasets(cfg.data, self.target.tokenizer)
+        train_rows, eval_rows, stats = build_datasets(cfg.data, self.target.tokenizer, self._rewrite())
         self.train_rows, self.eval_rows = train_rows, eval_rows
         vocab_ids = draft_vocabulary(train_rows, cfg.head.draft_vocab_size, self.target.vocab_size,
                                      self.target.eos_token_ids)
@@ -228,6 +229,21 @@ class Recipe:
         self.head = self._new_head(vocab_ids).train()
         self.train_source, self.eval_source = self._sources()
         self._init_engine()
+
+    def _rewrite(self):
+        """Self-distillation (`data.regenerate.enabled`): the target rewrites the replies,
+        cached under <cache>/regenerated/<key> and shared with every later run."""
+        regen = self.cfg.data.regenerate
+        if not regen.enabled:
+            return None
+        regen.validate()
+        source = {k: getattr(self.cfg.data, k) for k in ("source", "path", "num_conversations", "max_length")}
+        directory = cache_root() / "regenerated" / regenerate_key(self.target.name, source, regen)
+        writer = ReplyWriter(self.target.model, self.target.tokenizer, regen, self.cfg.data.max_length,
+                             autocast=self._autocast)
+        log.info("regenerate: replies by the target, cached in %s", directory)
+        return lambda conversations: regenerate_conversations(writer, conversations, directory, self.rank,
+                                                              self.world, self._barrier)
 
     def _layer_ids(self) -> tuple[int, ...]:
         """Hidden states the head reads (EAGLE-3 fuses three); EAGLE-2 reads only the top."""

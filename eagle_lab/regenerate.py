@@ -1,0 +1,190 @@
+"""Self-distillation data: the conversations' assistant replies rewritten by the target itself.
+
+A head learns to predict the target, so the best training text is what the target writes:
+ShareGPT's replies come from another model, and the features of text the target would never
+produce teach the head patterns it will not meet when serving. `data.regenerate.enabled=true`
+keeps each conversation's system and user turns and asks the target for every assistant reply
+(up to `max_turns`), feeding its own earlier replies back as history, as Medusa-2, EAGLE-3 and
+HASS do for their training sets.
+
+Work is cut into fixed chunks of `batch_size` conversations (similar prompt lengths, so little
+padding), one chunk per batched `generate` call per turn. Each finished chunk is written to its
+own JSON file under the cache, atomically, so a killed run resumes at the first missing chunk,
+and ranks share the chunks (chunk i belongs to rank i % world).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eagle_lab.errors import EagleLabError
+
+log = logging.getLogger(__name__)
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class RegenerateConfig:
+    enabled: bool = False
+    max_new_tokens: int = 256  # per reply; a reply cut here ends its conversation
+    temperature: float = 0.0  # 0 = greedy, the text temperature-0 serving will see
+    top_p: float = 1.0
+    max_turns: int = 1  # assistant replies regenerated per conversation; 0 = all of them
+    batch_size: int = 32  # conversations per generate call
+    seed: int = 0  # sampling seed (temperature > 0), offset by the chunk index
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1 or self.batch_size < 1 or self.max_turns < 0:
+            raise EagleLabError("data.regenerate needs max_new_tokens >= 1, batch_size >= 1 and max_turns >= 0")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise EagleLabError(f"data.regenerate needs temperature >= 0 and 0 < top_p <= 1, got "
+                                f"temperature={self.temperature}, top_p={self.top_p}")
+
+
+def regenerate_key(target_name: str, source: dict, cfg: RegenerateConfig) -> str:
+    """Cache key: the target, where the conversations came from and how they are rewritten."""
+    blob = json.dumps({"target": target_name, "source": source, "regenerate": asdict(cfg)}, sort_keys=True)
+    return f"{target_name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def chunk_order(conversations: list[Messages], batch_size: int) -> list[list[int]]:
+    """Conversation indices grouped into chunks of `batch_size`, by first-prompt length."""
+    first_prompt = [sum(len(m["content"]) for m in _opening(c)) for c in conversations]
+    order = sorted(range(len(conversations)), key=lambda i: (first_prompt[i], i))
+    return [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def _opening(messages: Messages) -> Messages:
+    """The system message (if any) and the first user turn."""
+    first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    return messages[: first_user + 1]
+
+
+def _user_turns(messages: Messages) -> list[str]:
+    return [m["content"] for m in messages if m["role"] == "user"]
+
+
+class ReplyWriter:
+    """Batched replies from a Hugging Face causal LM with a chat template."""
+
+    def __init__(self, model, tokenizer, cfg: RegenerateConfig, max_length: int, autocast=contextlib.nullcontext):
+        if not getattr(tokenizer, "chat_template", None):
+            raise EagleLabError("data.regenerate needs a target tokenizer with a chat template")
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.max_length, self.autocast = max_length, autocast
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = set([eos] if isinstance(eos, int) else (eos or [])) | {tokenizer.eos_token_id}
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def prompt_ids(self, history: Messages) -> list[int]:
+        text = self.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def replies(self, prompts: list[list[int]], seed: int) -> list[tuple[str, bool]]:
+        """Token-id prompts -> [(reply text, finished)], finished = it ended with an eos token
+        rather than at max_new_tokens or at `max_length` tokens of prompt plus reply."""
+        width = max(len(p) for p in prompts)
+        device = self.model.device
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, W], left padded
+        attention_mask = torch.zeros_like(input_ids)
+        for row, ids in enumerate(prompts):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention_mask[row, width - len(ids):] = 1
+        sampling = {"do_sample": True, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": 0} \
+            if self.cfg.temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        torch.manual_seed(seed)
+        with self.autocast():
+            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                      max_new_tokens=self.cfg.max_new_tokens, pad_token_id=self.pad_id, **sampling)
+        results = []
+        for prompt, row in zip(prompts, out[:, width:].tolist()):  # [B, new] generated ids, padded after the eos
+            row = row[: self.max_length - len(prompt)]
+            end = next((i for i, token in enumerate(row) if token in self.eos_ids), None)
+            reply = row if end is None else row[:end]
+            results.append((self.tokenizer.decode(reply, skip_special_tokens=True).strip(), end is not None))
+        return results
+
+    def rewrite(self, conversations: list[Messages], seed: int) -> list[Messages | None]:
+        """The conversations with their assistant replies written by the model, turn by turn
+        for the whole batch; None where not even the first reply could be written."""
+        histories = [_opening(c) for c in conversations]
+        users = [_user_turns(c) for c in conversations]
+        active = list(range(len(conversations)))
+        turns = self.cfg.max_turns or max(len(u) for u in users)
+        for turn in range(turns):
+            prompts = {i: self.prompt_ids(histories[i]) for i in active}
+            active = [i for i in active if len(prompts[i]) < self.max_length]  # room for >= 1 new token
+            if not active:
+                break
+            replies = self.replies([prompts[i] for i in active], seed * 1000 + turn)
+            still = []
+            for i, (text, finished) in zip(active, replies):
+                if not text:
+                    continue
+                histories[i].append({"role": "assistant", "content": text})
+                if finished and turn + 1 < len(users[i]):  # a cut reply would not fit the next question
+                    histories[i].append({"role": "user", "content": users[i][turn + 1]})
+                    still.append(i)
+            active = still
+        for history in histories:
+            while history and history[-1]["role"] == "user":
+                history.pop()
+        return [h if any(m["role"] == "assistant" for m in h) else None for h in histories]
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    fd, staging = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle, ensure_ascii=False)
+    os.replace(staging, path)  # atomic: a killed run never leaves half a chunk
+
+
+def regenerate_conversations(
+    writer: ReplyWriter,
+    conversations: list[Messages],
+    directory: Path,
+    rank: int = 0,
+    world: int = 1,
+    barrier: Callable[[], None] = lambda: None,
+) -> tuple[list[Messages], int]:
+    """-> (rewritten conversations in their original order, how many were dropped).
+
+    Chunks already under `directory` are reused; this rank writes its missing ones, then all
+    ranks wait at `barrier` and read every chunk.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    chunks = chunk_order(conversations, writer.cfg.batch_size)
+    mine = [c for c in range(len(chunks)) if c % world == rank]
+    todo = [c for c in mine if not (directory / f"chunk-{c:05d}.json").is_file()]
+    if len(todo) < len(mine) and rank == 0:
+        log.info("regenerate: resuming, %d of %d chunks already in %s", len(mine) - len(todo), len(mine), directory)
+    replies = sum(len(chunks[c]) for c in todo)
+    with tqdm(total=replies, desc="regenerate", unit="conv", disable=rank != 0 or not todo) as bar:
+        for c in todo:
+            rewritten = writer.rewrite([conversations[i] for i in chunks[c]], seed=writer.cfg.seed + c)
+            _write_json(directory / f"chunk-{c:05d}.json", {"indices": chunks[c], "conversations": rewritten})
+            bar.update(len(chunks[c]))
+    barrier()
+    by_index: dict[int, Messages | None] = {}
+    for c in range(len(chunks)):
+        path = directory / f"chunk-{c:05d}.json"
+        try:
+            payload = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            raise EagleLabError(f"regenerated chunk {path} is missing or unreadable ({err}); "
+                                "delete it to write it again") from err
+        by_index.update(zip(payload["indices"], payload["conversations"]))
+    kept = [by_index[i] for i in range(len(conversations)) if by_index.get(i)]
+    return kept, len(conversations) - len(kept)
