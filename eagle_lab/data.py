@@ -284,7 +284,7 @@ def build_datasets(
     if conversations and rewrite is not None:
         conversations, dropped = rewrite(conversations)
         if dropped:
-            stats.skipped["regenerate_failed"] = dropped
+            stats.skipped["no_regenerated_reply"] = dropped  # prompt over max_length, or empty reply
         stats.kept = len(conversations)
     if not conversations:
         raise EagleLabError(f"no usable conversations in data '{cfg.name}': {stats.summary()}")
