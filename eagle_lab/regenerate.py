@@ -104,8 +104,9 @@ class ReplyWriter:
             attention_mask[row, width - len(ids):] = 1
         sampling = {"do_sample": True, "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "top_k": 0} \
             if self.cfg.temperature > 0 else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        torch.manual_seed(seed)
-        with self.autocast():
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), self.autocast():  # training's RNG stream stays untouched
+            torch.manual_seed(seed)
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                       max_new_tokens=self.cfg.max_new_tokens, pad_token_id=self.pad_id, **sampling)
         results = []

@@ -128,3 +128,14 @@ def test_training_on_regenerated_replies_runs_end_to_end(tmp_path, monkeypatch):
     replies = [c[-1]["content"] for p in chunks for c in json.loads(p.read_text())["conversations"] if c]
     assert replies
     assert recipe.step == 2
+
+
+def test_sampled_replies_repeat_per_seed_and_leave_the_global_rng_alone(tiny_llama):
+    writer = writer_for(tiny_llama, temperature=1.0)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    first = writer.rewrite(CONVERSATIONS, seed=1)
+    assert torch.equal(torch.rand(3), expected)  # training's random stream is unchanged
+    assert writer.rewrite(CONVERSATIONS, seed=1) == first
+    assert writer.rewrite(CONVERSATIONS, seed=2) != first
