@@ -170,7 +170,7 @@ def regenerate_conversations(
     mine = [c for c in range(len(chunks)) if c % world == rank]
     todo = [c for c in mine if not (directory / f"chunk-{c:05d}.json").is_file()]
     if len(todo) < len(mine) and rank == 0:
-        log.info("regenerate: resuming, %d of %d chunks already in %s", len(mine) - len(todo), len(mine), directory)
+        log.info("regenerate: reusing %d of %d chunks already in %s", len(mine) - len(todo), len(mine), directory)
     replies = sum(len(chunks[c]) for c in todo)
     with tqdm(total=replies, desc="regenerate", unit="conv", disable=rank != 0 or not todo) as bar:
         for c in todo:
