@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from eagle_lab.errors import EagleLabError
+from eagle_lab.target import Target
 
 log = logging.getLogger(__name__)
 Messages = list[dict[str, str]]
@@ -76,15 +77,15 @@ def _user_turns(messages: Messages) -> list[str]:
 
 
 class ReplyWriter:
-    """Batched replies from a Hugging Face causal LM with a chat template."""
+    """Batched replies from the target (its Hugging Face model and chat template)."""
 
-    def __init__(self, model, tokenizer, cfg: RegenerateConfig, max_length: int, autocast=contextlib.nullcontext):
+    def __init__(self, target: Target, cfg: RegenerateConfig, max_length: int, autocast=contextlib.nullcontext):
+        tokenizer = target.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise EagleLabError("data.regenerate needs a target tokenizer with a chat template")
-        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.model, self.tokenizer, self.cfg = target.model, tokenizer, cfg
         self.max_length, self.autocast = max_length, autocast
-        eos = model.generation_config.eos_token_id
-        self.eos_ids = set([eos] if isinstance(eos, int) else (eos or [])) | {tokenizer.eos_token_id}
+        self.eos_ids = target.eos_token_ids
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def prompt_ids(self, history: Messages) -> list[int]:

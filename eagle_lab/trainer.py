@@ -239,8 +239,7 @@ class Recipe:
         regen.validate()
         source = {k: getattr(self.cfg.data, k) for k in ("source", "path", "num_conversations", "max_length")}
         directory = cache_root() / "regenerated" / regenerate_key(self.target.name, source, regen)
-        writer = ReplyWriter(self.target.model, self.target.tokenizer, regen, self.cfg.data.max_length,
-                             autocast=self._autocast)
+        writer = ReplyWriter(self.target, regen, self.cfg.data.max_length, autocast=self._autocast)
         log.info("regenerate: replies by the target, cached in %s", directory)
         return lambda conversations: regenerate_conversations(writer, conversations, directory, self.rank,
                                                               self.world, self._barrier)

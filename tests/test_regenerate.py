@@ -24,7 +24,7 @@ CONVERSATIONS = [
 
 def writer_for(target, **overrides) -> ReplyWriter:
     cfg = RegenerateConfig(enabled=True, **{"max_new_tokens": 12, **overrides})
-    return ReplyWriter(target.model, target.tokenizer, cfg, max_length=512)
+    return ReplyWriter(target, cfg, max_length=512)
 
 
 def test_greedy_reply_is_the_targets_own_greedy_continuation(tiny_llama):
@@ -44,7 +44,7 @@ class ScriptedWriter(ReplyWriter):
     """A writer whose replies are scripted: (text, finished) per call, in order."""
 
     def __init__(self, target, script, **overrides):
-        super().__init__(target.model, target.tokenizer, RegenerateConfig(enabled=True, **overrides), 512)
+        super().__init__(target, RegenerateConfig(enabled=True, **overrides), 512)
         self.script, self.calls = list(script), 0
 
     def replies(self, prompts, seed):
