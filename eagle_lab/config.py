@@ -93,6 +93,11 @@ class LossConfig:
 class TrainerConfig:
     features: str = "offline"  # offline (capture shards once, then train) | online
     features_dir: str = ""  # offline shards; "" = <cache>/features/<target>-<data hash>
+    capture_only: bool = False  # capture the requested data's features, then exit (a background job)
+    # corpus layout (data.eval_conversations > 0): which decoder layers shards store besides the top
+    # feature: auto = what this head reads; eagle3 = EAGLE-3's default layers too (reused by a later run)
+    capture_layers: str = "auto"
+    epochs: float = 0.0  # > 0: max_steps = epochs x train examples / sequences per step (steps follow the data)
     max_steps: int = 1000  # optimizer steps
     micro_batch_size: int = 4  # sequences per micro-batch
     grad_accum: int = 1

@@ -43,7 +43,12 @@ class DataConfig:
     path: str = ""  # source=file: a .json (list) or .jsonl file; source=sharegpt: optional dump path
     num_conversations: int = 2000  # subset size, the first N usable ones (0 = all)
     max_length: int = 2048  # tokens per example, truncated
-    eval_fraction: float = 0.02  # held-out split
+    eval_fraction: float = 0.02  # held-out split (of the chosen subset) when eval_conversations = 0
+    # > 0: hold out the LAST N usable conversations of the whole source, whatever num_conversations
+    # is, so every data size is evaluated on the same set; features then go to a shared corpus
+    # (eagle_lab.corpus) whose prefixes serve every num_conversations
+    eval_conversations: int = 0
+    shard_conversations: int = 64  # corpus layout: conversations per shard file
     seed: int = 0
     # Self-distillation: replies rewritten by the target (eagle_lab.regenerate), needs the target
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)

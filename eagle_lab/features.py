@@ -152,6 +152,9 @@ class ShardStore:
     def __getitem__(self, index: int) -> Example:
         return self.examples[index]
 
+    def lengths(self) -> list[int]:
+        return [e.input_ids.numel() for e in self.examples]
+
     @property
     def tokens(self) -> int:
-        return sum(e.input_ids.numel() for e in self.examples)
+        return sum(self.lengths())

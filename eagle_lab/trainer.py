@@ -13,9 +13,11 @@ import logging
 import math
 import os
 import random
+import shlex
 import socket
+import sys
 import time
-from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,7 +26,8 @@ from tqdm import tqdm
 
 from eagle_lab import checkpoint as ckpt
 from eagle_lab.config import TrainConfig, to_object
-from eagle_lab.data import build_datasets
+from eagle_lab.corpus import CorpusStore, Split, capture_split, corpus_key, read_manifest, write_manifest
+from eagle_lab.data import build_datasets, load_conversations, tokenize_conversation
 from eagle_lab.embedded import cache_root
 from eagle_lab.errors import EagleLabError
 from eagle_lab.features import (Example, ShardStore, capture, compute_features, eagle3_layer_ids, features_key,
@@ -58,20 +61,27 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def draft_vocabulary(dataset, size: int, vocab_size: int, always: set[int]) -> torch.Tensor | None:
-    """The `size` most frequent target tokens among the supervised (assistant) tokens."""
+def supervised_counts(token_lists, vocab_size: int) -> torch.Tensor:
+    """[V] how often each token id occurs under the loss mask; token_lists yields id tensors."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in token_lists:
+        counts += torch.bincount(ids.long(), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int, always: set[int]) -> torch.Tensor | None:
+    """The `size` most frequent supervised target tokens (ties: lower id first), plus `always`
+    (the eos ids); counts [V] from `supervised_counts`."""
+    vocab_size = counts.numel()
     if size <= 0 or size >= vocab_size:
         return None
-    counts: Counter = Counter()
-    for row in dataset:
-        counts.update(t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
-    chosen = [t for t in always if t < vocab_size]
-    chosen += [t for t, _ in counts.most_common(size) if t not in always][: size - len(chosen)]
-    if len(chosen) < size:  # tiny data: fill with the lowest unused ids
-        used = set(chosen)
-        chosen += [t for t in range(vocab_size) if t not in used][: size - len(chosen)]
-    total = sum(counts.values())
-    covered = sum(counts[t] for t in chosen)
+    chosen = [t for t in sorted(always) if t < vocab_size]
+    ranked = counts.clone()
+    ranked[chosen] = -1
+    order = torch.sort(ranked, descending=True, stable=True).indices  # frequent first; unseen ids fill up
+    chosen += order[: size - len(chosen)].tolist()
+    total = int(counts.sum())
+    covered = int(counts[chosen].sum())
     log.info("draft vocabulary: %d of %d tokens cover %.2f%% of supervised tokens", size, vocab_size,
              100.0 * covered / max(total, 1))
     return torch.tensor(sorted(chosen), dtype=torch.long)
@@ -131,16 +141,17 @@ def collate(examples: list[Example], device: torch.device, dtype: torch.dtype, u
 class ExampleSource:
     """Examples by index, from captured shards (offline) or computed on demand (online)."""
 
-    def __init__(self, target: Target, dataset, store: ShardStore | None, layer_ids: tuple[int, ...]):
+    def __init__(self, target: Target, dataset, store: ShardStore | CorpusStore | None, layer_ids: tuple[int, ...]):
         self.target, self.dataset, self.store, self.layer_ids = target, dataset, store, layer_ids
         self._lengths: list[int] | None = None
+        self._greedy: dict[int, torch.Tensor] = {}  # example index -> the target's greedy tokens [T]
 
     def __len__(self) -> int:
         return len(self.store) if self.store is not None else len(self.dataset)
 
     def lengths(self) -> list[int]:
         if self._lengths is None:
-            self._lengths = ([e.input_ids.numel() for e in self.store.examples] if self.store is not None
+            self._lengths = (self.store.lengths() if self.store is not None
                              else [len(r["input_ids"]) for r in self.dataset])
         return self._lengths
 
@@ -155,10 +166,16 @@ class ExampleSource:
             examples = [Example(torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"], dtype=torch.bool), f, lf)
                         for r, (f, lf) in zip(rows, computed)]
         if with_greedy:
-            for example in examples:
+            for index, example in zip(indices, examples):
                 if example.target_token is None:
-                    example.target_token = greedy_tokens(self.target, example.features).cpu()
+                    if index not in self._greedy:
+                        self._greedy[index] = greedy_tokens(self.target, example.features).cpu().to(torch.int32)
+                    example.target_token = self._greedy[index].long()
         return examples
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths())
 
 
 def epoch_order(count: int, seed: int, epoch: int, lengths: list[int] | None = None,
@@ -203,15 +220,8 @@ class Recipe:
 
     def setup(self) -> None:
         cfg = self.cfg
-        if cfg.trainer.features not in ("offline", "online"):
-            raise EagleLabError(f"trainer.features must be offline or online, got '{cfg.trainer.features}'")
-        if cfg.trainer.max_steps < 1 or cfg.trainer.micro_batch_size < 1 or cfg.trainer.grad_accum < 1:
-            raise EagleLabError("trainer.max_steps, micro_batch_size and grad_accum must be >= 1")
-        if cfg.trainer.cpu_autocast not in ("auto", "on", "off"):
-            raise EagleLabError(f"trainer.cpu_autocast must be auto, on or off, got '{cfg.trainer.cpu_autocast}'")
-        if cfg.head.kind not in ("eagle2", "eagle3"):
-            raise EagleLabError(f"unknown head kind '{cfg.head.kind}' (eagle2 or eagle3)")
-        if ckpt.latest_checkpoint(self.ckpt_dir) and not cfg.trainer.resume:
+        self._validate()
+        if ckpt.latest_checkpoint(self.ckpt_dir) and not cfg.trainer.resume and not cfg.trainer.capture_only:
             raise EagleLabError(f"{self.run_dir} already has checkpoints: pass trainer.resume=true to continue, "
                                 "or name=<new name> for a fresh run")
         torch.manual_seed(cfg.trainer.seed)
@@ -219,16 +229,113 @@ class Recipe:
         self.device = self.target.device
         self.rank, self.world = init_distributed(cfg.deepspeed.backend, self.device)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.layer_ids = self._layer_ids()
+        if cfg.data.eval_conversations > 0:
+            self.train_source, self.eval_source = self._corpus_sources()
+            if cfg.trainer.capture_only:
+                return
+            supervised = self.train_source.store.supervised_tokens()
+        else:
+            train_rows, eval_rows, stats = build_datasets(cfg.data, self.target.tokenizer, self._rewrite())
+            self.train_rows, self.eval_rows = train_rows, eval_rows
+            self.train_source, self.eval_source = self._sources()
+            supervised = (torch.tensor(r["input_ids"])[torch.tensor(r["loss_mask"], dtype=torch.bool)]
+                          for r in train_rows)
+        if cfg.trainer.capture_only:
+            return
+        counts = supervised_counts(supervised, self.target.vocab_size)
+        vocab_ids = draft_vocabulary(counts, cfg.head.draft_vocab_size, set(self.target.eos_token_ids))
+        self._set_max_steps()
         if self.rank == 0:
             OmegaConf.save(OmegaConf.structured(cfg), self.run_dir / "resolved_config.yaml")
-        train_rows, eval_rows, stats = build_datasets(cfg.data, self.target.tokenizer, self._rewrite())
-        self.train_rows, self.eval_rows = train_rows, eval_rows
-        vocab_ids = draft_vocabulary(train_rows, cfg.head.draft_vocab_size, self.target.vocab_size,
-                                     self.target.eos_token_ids)
-        self.layer_ids = self._layer_ids()
         self.head = self._new_head(vocab_ids).train()
-        self.train_source, self.eval_source = self._sources()
         self._init_engine()
+
+    def _validate(self) -> None:
+        cfg = self.cfg
+        if cfg.trainer.features not in ("offline", "online"):
+            raise EagleLabError(f"trainer.features must be offline or online, got '{cfg.trainer.features}'")
+        if cfg.trainer.max_steps < 1 or cfg.trainer.micro_batch_size < 1 or cfg.trainer.grad_accum < 1:
+            raise EagleLabError("trainer.max_steps, micro_batch_size and grad_accum must be >= 1")
+        if cfg.trainer.epochs < 0:
+            raise EagleLabError(f"trainer.epochs must be >= 0 (0: use trainer.max_steps), got {cfg.trainer.epochs}")
+        if cfg.trainer.cpu_autocast not in ("auto", "on", "off"):
+            raise EagleLabError(f"trainer.cpu_autocast must be auto, on or off, got '{cfg.trainer.cpu_autocast}'")
+        if cfg.trainer.capture_layers not in ("auto", "eagle3"):
+            raise EagleLabError(f"trainer.capture_layers must be auto or eagle3, got '{cfg.trainer.capture_layers}'")
+        if cfg.head.kind not in ("eagle2", "eagle3"):
+            raise EagleLabError(f"unknown head kind '{cfg.head.kind}' (eagle2 or eagle3)")
+        if cfg.data.eval_conversations < 0 or cfg.data.shard_conversations < 1:
+            raise EagleLabError("data.eval_conversations must be >= 0 and data.shard_conversations >= 1")
+        if cfg.data.eval_conversations > 0 and (cfg.trainer.features != "offline" or cfg.data.regenerate.enabled):
+            raise EagleLabError("data.eval_conversations > 0 (the shared feature corpus) needs trainer.features=offline "
+                                "and data.regenerate.enabled=false")
+
+    def _set_max_steps(self) -> None:
+        """trainer.epochs > 0: as many steps as that many passes over the training set take."""
+        tcfg = self.cfg.trainer
+        if tcfg.epochs > 0:
+            per_step = tcfg.micro_batch_size * tcfg.grad_accum * self.world
+            tcfg.max_steps = max(1, math.ceil(tcfg.epochs * len(self.train_source) / per_step))
+            log.info("trainer.epochs=%g over %d examples: max_steps=%d", tcfg.epochs, len(self.train_source),
+                     tcfg.max_steps)
+
+    def _corpus_sources(self):
+        """Train on the first data.num_conversations of a shared corpus, evaluate on its held-out
+        tail (eagle_lab.corpus); capture whatever of that is not on disk yet."""
+        cfg, data = self.cfg, self.cfg.data
+        conversations, stats = load_conversations(replace(data, num_conversations=0))
+        held = data.eval_conversations
+        if len(conversations) <= held:
+            raise EagleLabError(f"data '{data.name}' has {len(conversations)} usable conversations: too few to hold "
+                                f"out data.eval_conversations={held}")
+        pool, heldout = conversations[:-held], conversations[-held:]
+        count = data.num_conversations or len(pool)
+        if count > len(pool):
+            raise EagleLabError(f"data.num_conversations={count}, but '{data.name}' has {len(pool)} usable "
+                                f"conversations besides the {held} held out (0 = all of them)")
+        fingerprint = {"source": data.source, "path": data.path, "max_length": data.max_length,
+                       "eval_conversations": held, "shard_conversations": data.shard_conversations,
+                       "dtype": str(self.target.dtype)}
+        root = Path(cfg.trainer.features_dir) if cfg.trainer.features_dir else cache_root() / "features"
+        directory = root / corpus_key(self.target.name, fingerprint)
+        tokenize = lambda messages: tokenize_conversation(self.target.tokenizer, messages, data.max_length)  # noqa: E731
+        manifest = read_manifest(directory)
+        if manifest is None or manifest.get("train_conversations") != len(pool):
+            counts = {}
+            for name, convs in (("train", pool), ("eval", heldout)):
+                counts[name] = [len(ids) if any(mask) else 0 for ids, mask in
+                                (tokenize(c) for c in tqdm(convs, desc=f"counting {name} tokens", unit="conv",
+                                                           disable=not sys.stderr.isatty()))]
+            if self.rank == 0:
+                write_manifest(directory, fingerprint, counts["train"], counts["eval"])
+            manifest = {"train_token_counts": counts["train"], "eval_token_counts": counts["eval"]}
+        train_counts, eval_counts = manifest["train_token_counts"], manifest["eval_token_counts"]
+        shard = data.shard_conversations
+        splits = {"train": Split("train", pool, directory / "train", shard),
+                  "eval": Split("eval", heldout, directory / "eval", shard)}
+        capture_layers = self.layer_ids
+        if cfg.trainer.capture_layers == "eagle3" and not capture_layers:
+            capture_layers = eagle3_layer_ids(self.target.num_layers)
+        have = sum(splits["train"].is_complete(k, capture_layers) for k in splits["train"].shards_for(count))
+        log.info("data %s: %s. Corpus %s: %d conversations (%.2fM tokens at max_length %d) + %d held out "
+                 "(%.2fM tokens). Requested the first %d (%.2fM tokens): %d of %d shards on disk", data.name,
+                 stats.summary(), directory, len(pool), sum(train_counts) / 1e6, data.max_length, held,
+                 sum(eval_counts) / 1e6, count, sum(train_counts[:count]) / 1e6, have,
+                 len(splits["train"].shards_for(count)))
+        wait = not cfg.trainer.capture_only  # a capture worker leaves others' shards to them
+        capture_split(self.target, splits["eval"], held, tokenize, eval_counts, capture_layers, wait=wait)
+        capture_split(self.target, splits["train"], count, tokenize, train_counts, capture_layers, wait=wait)
+        self._barrier()
+        if cfg.trainer.capture_only:
+            return None, None
+        train = CorpusStore(splits["train"], count, self.layer_ids)
+        evals = CorpusStore(splits["eval"], held, self.layer_ids)
+        self.train_conversations = count
+        log.info("features: %d train examples (%d tokens), %d held-out examples (%d tokens)", len(train),
+                 train.tokens, len(evals), evals.tokens)
+        return (ExampleSource(self.target, None, train, self.layer_ids),
+                ExampleSource(self.target, None, evals, self.layer_ids))
 
     def _rewrite(self):
         """Self-distillation (`data.regenerate.enabled`): the target rewrites the replies,
@@ -419,5 +526,8 @@ def run(raw: DictConfig) -> Path | None:
         raise EagleLabError("run_dir is empty")
     recipe = Recipe(cfg)
     recipe.setup()
+    if cfg.trainer.capture_only:
+        log.info("trainer.capture_only: features captured; nothing trained")
+        return None
     recipe.train()
     return recipe.export()

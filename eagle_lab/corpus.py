@@ -1,0 +1,377 @@
+"""Feature corpus: one capture of a whole conversation source, shared by every data size.
+
+Used when `data.eval_conversations > 0`. Layout under `<cache>/features/<target>-corpus-<hash>/`:
+
+  manifest.json                 what was captured from what, and per-conversation token counts
+  eval/shard_00000.safetensors  the held-out tail: the last `eval_conversations` usable
+                                conversations of the source; no training set ever includes them
+  train/shard_00000.safetensors conversation i of the rest lives in shard i // S
+  train/layers-3-16-28_00000.safetensors   EAGLE-3 layer features of that shard, when asked for
+
+A training set of the first N conversations reads the first ceil(N / S) shards, the last cut at
+conversation N: the points of a scaling curve are prefixes of one capture, and capturing more
+extends every earlier point. Each shard is claimed with a lock file, so several capture workers
+(a background job, a trainer) share the work; a lock whose process died is taken over.
+
+Shard file (safetensors): input_ids [N] int32, loss_mask [N] uint8, offsets [E+1] int64,
+conversation [E] int64 (index within its split), features [N, H] bf16, and on the eval split
+target_token [N] int32 (the target's greedy next token, so every evaluation reads the same).
+Layer file: layer_features [N, n*H] bf16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from eagle_lab.errors import EagleLabError
+from eagle_lab.features import STORE_DTYPE, Example, compute_features, greedy_tokens
+from eagle_lab.target import Target
+
+log = logging.getLogger(__name__)
+
+Conversation = list[dict[str, str]]
+Tokenize = Callable[[Conversation], tuple[list[int], list[int]]]
+MANIFEST = "manifest.json"
+STALE_LOCK_S = 3600.0  # a shard takes minutes; a lock this old belongs to a dead run
+FORMAT_VERSION = 1
+
+
+def corpus_key(target_name: str, fingerprint: dict) -> str:
+    """Directory name: the target plus a hash of everything that decides the shards' contents."""
+    blob = json.dumps({"target": target_name, "format": FORMAT_VERSION, **fingerprint}, sort_keys=True)
+    return f"{target_name}-corpus-{hashlib.sha1(blob.encode()).hexdigest()[:12]}"
+
+
+def layer_tag(layer_ids: Sequence[int]) -> str:
+    return "layers-" + "-".join(str(i) for i in layer_ids)
+
+
+@dataclass
+class Split:
+    """One split of the corpus: its conversations in order and where their shards live."""
+
+    name: str  # train | eval
+    conversations: list[Conversation]
+    directory: Path
+    shard_conversations: int
+
+    @property
+    def shard_count(self) -> int:
+        return math.ceil(len(self.conversations) / self.shard_conversations)
+
+    def shards_for(self, count: int) -> list[int]:
+        """Shards holding the first `count` conversations."""
+        return list(range(math.ceil(min(count, len(self.conversations)) / self.shard_conversations)))
+
+    def shard_file(self, k: int) -> Path:
+        return self.directory / f"shard_{k:05d}.safetensors"
+
+    def layer_file(self, k: int, layer_ids: Sequence[int]) -> Path:
+        return self.directory / f"{layer_tag(layer_ids)}_{k:05d}.safetensors"
+
+    def is_complete(self, k: int, layer_ids: Sequence[int]) -> bool:
+        return self.shard_file(k).exists() and (not layer_ids or self.layer_file(k, layer_ids).exists())
+
+    def conversation_range(self, k: int) -> range:
+        return range(k * self.shard_conversations, min(len(self.conversations), (k + 1) * self.shard_conversations))
+
+
+# ---- claiming shards ------------------------------------------------------------------------
+
+def _lock_path(split: Split, k: int) -> Path:
+    return split.directory / f".shard_{k:05d}.lock"
+
+
+def _lock_is_stale(lock: Path) -> bool:
+    try:
+        age = time.time() - lock.stat().st_mtime
+        info = json.loads(lock.read_text())
+    except FileNotFoundError:
+        return False  # released meanwhile: not ours to remove
+    except (OSError, ValueError):
+        return time.time() - lock.stat().st_mtime > 60 if lock.exists() else False  # being written
+    if age > STALE_LOCK_S:
+        return True
+    if info.get("host") != socket.gethostname():
+        return False  # another machine on a shared filesystem: trust it until it is old
+    try:
+        os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, KeyError, ValueError):
+        return False
+    return False
+
+
+def claim(split: Split, k: int) -> bool:
+    """Take shard k's lock (atomic create); a stale lock is removed and retried once."""
+    lock = _lock_path(split, k)
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _lock_is_stale(lock):
+                log.info("taking over the stale lock %s", lock.name)
+                lock.unlink(missing_ok=True)
+                continue
+            return False
+        with os.fdopen(fd, "w") as handle:
+            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}, handle)
+        return True
+    return False
+
+
+def release(split: Split, k: int) -> None:
+    _lock_path(split, k).unlink(missing_ok=True)
+
+
+# ---- capture ------------------------------------------------------------------------------
+
+@dataclass
+class CaptureProgress:
+    """One line per shard: tokens done of the requested total, rate of this process, ETA."""
+
+    split: str
+    total_tokens: int
+    done_tokens: int
+    shards_total: int
+    shards_done: int
+    started: float = 0.0
+    tokens_this_run: int = 0
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.started
+        rate = self.tokens_this_run / max(elapsed, 1e-9)
+        left = max(self.total_tokens - self.done_tokens, 0)
+        eta = _duration(left / rate) if rate > 0 else "?"
+        return (f"capture {self.split}: {self.shards_done}/{self.shards_total} shards, "
+                f"{self.done_tokens / 1e6:.2f}M/{self.total_tokens / 1e6:.2f}M tokens, "
+                f"{rate:.0f} tok/s in this process, ETA {eta} at this rate")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _shard_tokens(path: Path) -> int:
+    with safe_open(str(path), framework="pt") as shard:
+        return int((shard.metadata() or {}).get("tokens", 0))
+
+
+def capture_split(target: Target, split: Split, count: int, tokenize: Tokenize, token_counts: list[int],
+                  layer_ids: tuple[int, ...] = (), batch_size: int = 4, wait: bool = True) -> None:
+    """Capture the shards holding the first `count` conversations of `split`.
+
+    Shards already on disk are kept; shards locked by a live worker are left to it, and
+    with `wait` this call then waits until they appear (so a trainer never starts on a
+    partial set). token_counts: tokens of each conversation of the split (for progress).
+    """
+    shards = split.shards_for(count)
+    split.directory.mkdir(parents=True, exist_ok=True)
+    todo = [k for k in shards if not split.is_complete(k, layer_ids)]
+    tokens = lambda ks: sum(token_counts[i] for k in ks for i in split.conversation_range(k))  # noqa: E731
+    progress = CaptureProgress(split.name, tokens(shards), tokens(shards) - tokens(todo), len(shards),
+                               len(shards) - len(todo), started=time.perf_counter())
+    if not todo:
+        return
+    log.info("%s (%s)", progress.line(), f"features{' + ' + layer_tag(layer_ids) if layer_ids else ''}")
+    bar = tqdm(total=progress.total_tokens, initial=progress.done_tokens, unit="tok", unit_scale=True,
+               desc=f"capture {split.name}", disable=not sys.stderr.isatty())
+    waiting: list[int] = []
+    for k in todo:
+        if split.is_complete(k, layer_ids):  # another worker finished it meanwhile
+            continue
+        if not claim(split, k):
+            waiting.append(k)
+            continue
+        try:
+            if not split.is_complete(k, layer_ids):
+                done = _capture_shard(target, split, k, tokenize, layer_ids, batch_size)
+                progress.tokens_this_run += done
+                bar.update(done)
+        finally:
+            release(split, k)
+        progress.done_tokens = tokens([j for j in shards if split.is_complete(j, layer_ids)])
+        progress.shards_done = sum(split.is_complete(j, layer_ids) for j in shards)
+        log.info(progress.line())
+    bar.close()
+    while wait and waiting:
+        waiting = [k for k in waiting if not split.is_complete(k, layer_ids)]
+        if not waiting:
+            break
+        orphaned = [k for k in waiting if claim(split, k)]  # its worker died: do it here
+        for k in orphaned:
+            try:
+                _capture_shard(target, split, k, tokenize, layer_ids, batch_size)
+            finally:
+                release(split, k)
+        if len(orphaned) < len(waiting):
+            log.info("capture %s: waiting for %d shard(s) another worker is capturing", split.name,
+                     len(waiting) - len(orphaned))
+            time.sleep(10)
+
+
+def _capture_shard(target: Target, split: Split, k: int, tokenize: Tokenize, layer_ids: tuple[int, ...],
+                   batch_size: int) -> int:
+    """Compute and write shard k (or only its missing layer file); returns tokens computed."""
+    top_file = split.shard_file(k)
+    rows: list[tuple[int, list[int], list[int]]] = []  # (conversation index, input_ids, loss_mask)
+    if top_file.exists():  # only the layer file is missing: reuse the stored tokens
+        with safe_open(str(top_file), framework="pt") as shard:
+            ids, offsets = shard.get_tensor("input_ids"), shard.get_tensor("offsets").tolist()
+            conv = shard.get_tensor("conversation").tolist()
+        rows = [(c, ids[a:b].tolist(), []) for c, a, b in zip(conv, offsets[:-1], offsets[1:])]
+    else:
+        for index in split.conversation_range(k):
+            input_ids, loss_mask = tokenize(split.conversations[index])
+            if any(loss_mask):  # no supervised token left after truncation: nothing to learn
+                rows.append((index, input_ids, loss_mask))
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][1]))  # similar lengths batch well
+    computed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for start in range(0, len(order), batch_size):
+        chunk = order[start: start + batch_size]
+        for i, value in zip(chunk, compute_features(target, [rows[i][1] for i in chunk], layer_ids)):
+            computed[i] = (value[0].to("cpu", STORE_DTYPE), None if value[1] is None else value[1].to("cpu", STORE_DTYPE))
+    n_tokens = sum(len(r[1]) for r in rows)
+    meta = {"tokens": str(n_tokens), "conversations": f"{split.conversation_range(k).start}:"
+                                                       f"{split.conversation_range(k).stop}"}
+    if layer_ids:
+        layers = torch.cat([computed[i][1] for i in range(len(rows))]) if rows else torch.zeros(0, 0, dtype=STORE_DTYPE)
+        _atomic_save({"layer_features": layers}, split.layer_file(k, layer_ids), meta)
+    if not top_file.exists():
+        features = torch.cat([computed[i][0] for i in range(len(rows))]) if rows else torch.zeros(0, 0, dtype=STORE_DTYPE)
+        lengths = torch.tensor([0] + [len(r[1]) for r in rows], dtype=torch.long)
+        tensors = {
+            "input_ids": torch.tensor([t for r in rows for t in r[1]], dtype=torch.int32),
+            "loss_mask": torch.tensor([m for r in rows for m in r[2]], dtype=torch.uint8),
+            "offsets": lengths.cumsum(0),
+            "conversation": torch.tensor([r[0] for r in rows], dtype=torch.long),
+            "features": features,
+        }
+        if split.name == "eval":
+            tensors["target_token"] = greedy_tokens(target, features.to(target.dtype)).to(torch.int32).cpu()
+        _atomic_save(tensors, top_file, meta)
+    return n_tokens
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    tmp.replace(path)
+
+
+# ---- reading ------------------------------------------------------------------------------
+
+class CorpusStore:
+    """Examples of the first `count` conversations of a split, read lazily from the shards.
+
+    Token ids and masks (small) are held in memory; features are sliced from the memory-
+    mapped shard files on demand, so a corpus far larger than RAM trains from the page cache.
+    """
+
+    def __init__(self, split: Split, count: int, layer_ids: tuple[int, ...] = ()):
+        self.split, self.layer_ids = split, layer_ids
+        self._handles: list = []
+        self._index: list[tuple[int, int, int]] = []  # (handle slot, start, end) per example
+        self._ids: list[torch.Tensor] = []
+        self._masks: list[torch.Tensor] = []
+        self._greedy: list[torch.Tensor | None] = []
+        for k in split.shards_for(count):
+            if not split.is_complete(k, layer_ids):
+                raise EagleLabError(f"corpus shard {split.shard_file(k)} is missing: capture it first")
+            top = safe_open(str(split.shard_file(k)), framework="pt")
+            layers = safe_open(str(split.layer_file(k, layer_ids)), framework="pt") if layer_ids else None
+            slot = len(self._handles)
+            self._handles.append((top, layers))
+            ids, mask = top.get_tensor("input_ids"), top.get_tensor("loss_mask")
+            greedy = top.get_tensor("target_token") if "target_token" in top.keys() else None
+            offsets, conversations = top.get_tensor("offsets").tolist(), top.get_tensor("conversation").tolist()
+            for c, a, b in zip(conversations, offsets[:-1], offsets[1:]):
+                if c >= count:
+                    break
+                self._index.append((slot, a, b))
+                self._ids.append(ids[a:b].long())
+                self._masks.append(mask[a:b].bool())
+                self._greedy.append(None if greedy is None else greedy[a:b].long())
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, index: int) -> Example:
+        slot, a, b = self._index[index]
+        top, layers = self._handles[slot]
+        return Example(self._ids[index], self._masks[index], top.get_slice("features")[a:b],
+                       None if layers is None else layers.get_slice("layer_features")[a:b],
+                       self._greedy[index])
+
+    def lengths(self) -> list[int]:
+        return [ids.numel() for ids in self._ids]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths())
+
+    def supervised_tokens(self) -> Iterator[torch.Tensor]:
+        """Per example: the token ids under the loss mask (for the draft vocabulary)."""
+        for ids, mask in zip(self._ids, self._masks):
+            yield ids[mask]
+
+
+# ---- the manifest -------------------------------------------------------------------------
+
+def write_manifest(directory: Path, fingerprint: dict, train_tokens: list[int], eval_tokens: list[int]) -> None:
+    """Record what the corpus is and how many tokens each conversation gives (written once)."""
+    path = directory / MANIFEST
+    if path.exists():
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "train_conversations": len(train_tokens),
+                               "eval_conversations": len(eval_tokens), "train_tokens": sum(train_tokens),
+                               "eval_tokens": sum(eval_tokens), "train_token_counts": train_tokens,
+                               "eval_token_counts": eval_tokens}))
+    tmp.replace(path)
+
+
+def read_manifest(directory: Path) -> dict | None:
+    path = directory / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise EagleLabError(f"corpus manifest {path} is unreadable ({err}); delete it to recount") from err
+
+
+def status(directory: Path, shard_conversations: int, layer_ids: tuple[int, ...] = ()) -> dict:
+    """How much of a corpus is on disk: shards, conversations and tokens per split, and bytes."""
+    manifest = read_manifest(directory) or {}
+    result: dict = {"directory": str(directory), "bytes": sum(p.stat().st_size for p in directory.rglob("*.safetensors"))}
+    for name in ("train", "eval"):
+        counts = manifest.get(f"{name}_token_counts", [])
+        split = Split(name, [{}] * len(counts), directory / name, shard_conversations)  # type: ignore[list-item]
+        done = [k for k in range(split.shard_count) if split.is_complete(k, layer_ids)]
+        prefix = next((k for k in range(split.shard_count) if k not in set(done)), split.shard_count)
+        result[name] = {
+            "conversations": len(counts), "tokens": sum(counts), "shards": split.shard_count,
+            "shards_done": len(done),
+            "tokens_done": sum(_shard_tokens(split.shard_file(k)) for k in done),
+            "prefix_conversations": min(prefix * shard_conversations, len(counts)),
+        }
+    return result

@@ -1,0 +1,144 @@
+"""The shared feature corpus: prefixes serve every data size, capture resumes by shard,
+workers share shards through locks, and training reads exactly the requested data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eagle_lab.corpus import CorpusStore, Split, capture_split, claim, release, status
+from eagle_lab.data import tokenize_conversation
+from eagle_lab.errors import EagleLabError
+from eagle_lab.features import STORE_DTYPE, compute_features
+from eagle_lab.target import TargetConfig, load_target
+
+LAYERS = (1, 2)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(TargetConfig(name="tiny_llama", source="tiny", device="cpu"))
+
+
+def conversations(n: int) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "answer " * (i % 5 + 1)}]
+            for i in range(n)]
+
+
+def make_split(tmp_path, convs, name="train", size=4) -> Split:
+    return Split(name, convs, tmp_path / name, size)
+
+
+def tokenizer_of(target):
+    return lambda messages: tokenize_conversation(target.tokenizer, messages, 64)
+
+
+def counts(target, convs) -> list[int]:
+    tok = tokenizer_of(target)
+    return [len(tok(c)[0]) for c in convs]
+
+
+def test_prefix_reads_exactly_the_first_conversations_with_the_targets_features(target, tmp_path):
+    convs = conversations(10)
+    split = make_split(tmp_path, convs)
+    capture_split(target, split, 6, tokenizer_of(target), counts(target, convs))
+    assert [split.shard_file(k).exists() for k in range(3)] == [True, True, False]  # 6 convs -> shards 0, 1
+    store = CorpusStore(split, 6)
+    assert len(store) == 6
+    for i in (0, 5):
+        ids, mask = tokenizer_of(target)(convs[i])
+        example = store[i]
+        assert example.input_ids.tolist() == ids and example.loss_mask.tolist() == [bool(m) for m in mask]
+        expected = compute_features(target, [ids])[0][0].to(STORE_DTYPE)
+        assert torch.equal(example.features, expected)
+    assert len(CorpusStore(split, 3)) == 3  # a smaller size cuts the last shard
+    with pytest.raises(EagleLabError, match="missing"):
+        CorpusStore(split, 9)  # more than was captured: refused, never a silent partial set
+
+
+def test_capture_resumes_only_missing_shards_and_adds_layers_later(target, tmp_path):
+    convs = conversations(12)
+    split = make_split(tmp_path, convs)
+    capture_split(target, split, 12, tokenizer_of(target), counts(target, convs))
+    kept = split.shard_file(0).stat().st_mtime_ns
+    split.shard_file(1).unlink()  # lost between sessions
+    capture_split(target, split, 12, tokenizer_of(target), counts(target, convs))
+    assert split.shard_file(1).exists() and split.shard_file(0).stat().st_mtime_ns == kept
+    capture_split(target, split, 12, tokenizer_of(target), counts(target, convs), layer_ids=LAYERS)
+    assert split.shard_file(0).stat().st_mtime_ns == kept  # only the layer files were written
+    store = CorpusStore(split, 12, LAYERS)
+    ids = tokenizer_of(target)(convs[7])[0]
+    expected = compute_features(target, [ids], LAYERS)[0][1].to(STORE_DTYPE)
+    assert torch.equal(store[7].layer_features, expected)
+
+
+def test_eval_split_stores_the_targets_greedy_tokens(target, tmp_path):
+    convs = conversations(3)
+    split = make_split(tmp_path, convs, name="eval")
+    capture_split(target, split, 3, tokenizer_of(target), counts(target, convs))
+    example = CorpusStore(split, 3)[2]
+    logits = target.logits(example.features.to(target.dtype))
+    assert torch.equal(example.target_token, logits.argmax(-1))
+
+
+def test_live_lock_is_left_to_its_worker_and_dead_lock_is_taken_over(target, tmp_path):
+    convs = conversations(8)
+    split = make_split(tmp_path, convs)
+    split.directory.mkdir(parents=True)
+    assert claim(split, 0)  # this process holds shard 0, as a live worker would
+    capture_split(target, split, 8, tokenizer_of(target), counts(target, convs), wait=False)
+    assert not split.shard_file(0).exists() and split.shard_file(1).exists()
+    release(split, 0)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    lock = split.directory / ".shard_00000.lock"
+    lock.write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename, "time": 0}))
+    capture_split(target, split, 8, tokenizer_of(target), counts(target, convs))
+    assert split.shard_file(0).exists() and not lock.exists()
+
+
+def test_status_reports_what_is_on_disk(target, tmp_path):
+    from eagle_lab.corpus import write_manifest
+
+    convs = conversations(9)
+    split = make_split(tmp_path, convs)
+    write_manifest(tmp_path, {"x": 1}, counts(target, convs), [])
+    capture_split(target, split, 4, tokenizer_of(target), counts(target, convs))
+    report = status(tmp_path, 4)
+    assert report["train"]["shards"] == 3 and report["train"]["shards_done"] == 1
+    assert report["train"]["prefix_conversations"] == 4
+    assert report["train"]["tokens_done"] == sum(counts(target, convs)[:4])
+
+
+def test_training_sizes_share_one_capture_and_never_see_the_heldout_tail(tmp_path):
+    from test_train import smoke_cfg
+
+    from eagle_lab.trainer import Recipe
+
+    data = tmp_path / "convs.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": c}) for c in conversations(30)))
+    common = ("data=file", f"data.path={data}", "data.eval_conversations=6", "data.shard_conversations=8",
+              "trainer.epochs=1", "trainer.max_steps=1000")
+    small = Recipe(smoke_cfg(tmp_path / "small", *common, "data.num_conversations=10",
+                             f"trainer.features_dir={tmp_path / 'features'}"))
+    small.setup()
+    assert len(small.train_source) == 10 and len(small.eval_source) == 6
+    assert small.cfg.trainer.max_steps == 3  # ceil(1 epoch x 10 examples / 4 per step)
+    heldout = {tuple(small.eval_source.store[i].input_ids.tolist()) for i in range(6)}
+    shards = sorted((tmp_path / "features").rglob("shard_*.safetensors"))
+    stamps = {p: p.stat().st_mtime_ns for p in shards}
+
+    full = Recipe(smoke_cfg(tmp_path / "full", *common, "data.num_conversations=0",
+                            f"trainer.features_dir={tmp_path / 'features'}"))
+    full.setup()
+    assert len(full.train_source) == 24  # everything but the held-out tail
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # the smaller size's shards were reused
+    trained = {tuple(full.train_source.store[i].input_ids.tolist()) for i in range(24)}
+    assert not trained & heldout
+    with pytest.raises(EagleLabError, match="besides the 6 held out"):
+        Recipe(smoke_cfg(tmp_path / "big", *common, "data.num_conversations=25",
+                         f"trainer.features_dir={tmp_path / 'features'}")).setup()
