@@ -1,6 +1,10 @@
 """Train an EAGLE draft head: python train.py [experiment=smoke] [overrides]; -m for sweeps."""
 
+import functools
+import shlex
+
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from eagle_lab.cli import run_entry
@@ -13,7 +17,9 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     from eagle_lab.trainer import run
 
-    run_entry(run, cfg)
+    overrides = HydraConfig.get().overrides.task
+    command = "python train.py" + "".join(" " + shlex.quote(o) for o in overrides)
+    run_entry(functools.partial(run, command=command), cfg)
 
 
 if __name__ == "__main__":

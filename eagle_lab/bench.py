@@ -29,6 +29,7 @@ import transformers
 from eagle_lab.bench_data import Prompt, load_bench_prompts
 from eagle_lab.bench_report import REFERENCE, write_outputs
 from eagle_lab.builders import build_decoder, build_drafter, build_head, make_generator, packaged_head_dir
+from eagle_lab.card import record_mtbench_tau
 from eagle_lab.config import ServeConfig
 from eagle_lab.draft import EagleDrafter
 from eagle_lab.errors import EagleLabError
@@ -104,7 +105,23 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
         "records": records,
     }
     write_outputs(results, run_dir)
+    if cfg.bench.update_card:
+        update_card(cfg, target, summary, len(prompts))
     return results
+
+
+def update_card(cfg: ServeConfig, target: Target, summary: dict[str, dict[str, Any]], prompts: int) -> None:
+    """bench.update_card: eagle's measured MT-bench tau -> the head's card.json."""
+    head = cfg.head.path or str(packaged_head_dir(target.name) or "")
+    if cfg.bench.dataset != "mt_bench" or not head or "eagle" not in cfg.bench.methods:
+        log.warning("bench.update_card needs bench.dataset=mt_bench, the eagle method and a head directory")
+        return
+    tree = cfg.tree
+    label = "auto" if tree.auto else tree.name or f"d{tree.depth}-k{tree.topk}-n{tree.total_tokens}"
+    for key, by_method in summary.items():
+        tau = by_method.get("eagle", {}).get("tau")
+        if tau is not None and record_mtbench_tau(head, label, float(key), tau, prompts):
+            log.info("card %s: MT-bench tau %.3f (tree %s, T=%s, %d prompts)", head, tau, label, key, prompts)
 
 
 def validate_bench(cfg: ServeConfig) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from eagle_lab.card import read_card
 from eagle_lab.config import HeadConfig, TreeConfig
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.errors import EagleLabError
@@ -38,6 +39,8 @@ def build_head(cfg: HeadConfig, target: Target) -> EagleHead:
         return new_head(target, kind=cfg.kind, seed=cfg.seed)
     head = load_head(path, target)
     log.info("head %s (%s, draft vocab %d)", path, head.arch.kind, head.arch.draft_vocab_size)
+    card = read_card(path)
+    log.info("%s", card.summary() if card is not None else "head card: none (no card.json beside the head)")
     return head
 
 

@@ -33,6 +33,7 @@ class TreeConfig:
     """auto: measure this device and head, then pick the fastest shape (eagle_lab.tree_auto);
     a non-zero depth / topk / total_tokens is kept as given (all three needed when auto=false)."""
 
+    name: str = ""  # the tree/ config it came from (head cards key MT-bench tau by it)
     auto: bool = True
     depth: int = 0
     topk: int = 0
@@ -46,6 +47,7 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: ["vanilla", "eagle", "hf_greedy", "hf_prompt_lookup"])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     warmup: int = 1
+    update_card: bool = False  # mt_bench: write eagle's tau per temperature into the head's card.json
 
 
 @dataclass

@@ -116,6 +116,7 @@ def config_target(cfg) -> ConfigTarget:
 
 
 def export(args: dict[str, str]) -> Path:
+    from eagle_lab.card import read_card, write_card
     from eagle_lab.device import _DTYPES
     from eagle_lab.interop import export_head, format_kind, read_head, stored_dtype
 
@@ -143,6 +144,9 @@ def export(args: dict[str, str]) -> Path:
                             f"{DEFAULT_TARGET} was assumed: pass target=NAME)") from exc
     dtype = stored_dtype(head_path) if dtype_name == "auto" else _DTYPES[dtype_name]
     written = export_head(head, target, out, args["format"], dtype=dtype)
+    card = read_card(head_path)
+    if card is not None:  # the card travels with the head, whatever the layout
+        write_card(written, card)
     print(f"exported {head.arch.kind} head ({str(dtype).removeprefix('torch.')}) for target {target.name} "
           f"as format={args['format']} -> {written}")
     return written

@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import random
-import shlex
 import socket
 import sys
 import time
@@ -25,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from eagle_lab import checkpoint as ckpt
+from eagle_lab.card import HeadCard, write_card
 from eagle_lab.config import TrainConfig, to_object
 from eagle_lab.corpus import CorpusStore, Split, capture_split, corpus_key, read_manifest, write_manifest
 from eagle_lab.data import build_datasets, load_conversations, tokenize_conversation
@@ -212,8 +212,10 @@ def cpu_has_bf16() -> bool:
 # ---- the recipe ----------------------------------------------------------------------------
 
 class Recipe:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, command: str = ""):
         self.cfg = cfg
+        self.command = command  # how this run was started, for the head card
+        self.last_eval: dict[str, float] = {}
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "ckpt"
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -491,6 +493,7 @@ class Recipe:
         batches = (self._batch(self.eval_source.get(list(range(i, min(count, i + size))), with_greedy=True))
                    for i in range(0, count, size))
         result = heldout_accuracy(self.head, self.target, batches, self.cfg.trainer.eval_depth)
+        self.last_eval = {**result, "sequences": count}
         self.head.train()
         log.info("eval @ step %d: %s", self.step, " ".join(f"{k}={v:.3f}" for k, v in result.items()))
         return result
@@ -509,9 +512,28 @@ class Recipe:
         if self.rank != 0:
             return None
         out = save_head(self.head, self.run_dir / "head")
+        write_card(out, self.card())
         log.info("exported head at step %d/%d -> %s (serve with: python serve.py target=%s head.path=%s)",
                  self.step, self.cfg.trainer.max_steps, out, self.target.name, out)
         return out
+
+    def card(self) -> HeadCard:
+        cfg, tcfg = self.cfg, self.cfg.trainer
+        examples = max(len(self.train_source), 1)
+        per_step = tcfg.micro_batch_size * tcfg.grad_accum * self.world
+        depth = tcfg.eval_depth
+        return HeadCard(
+            target=self.target.name, kind=cfg.head.kind,
+            train_conversations=getattr(self, "train_conversations", examples), train_tokens=self.train_source.tokens,
+            epochs=round(self.step * per_step / examples, 3), steps=self.step,
+            heldout_top1=[round(self.last_eval.get(f"eval_acc_{d}", 0.0), 4) for d in range(1, depth + 1)]
+            if self.last_eval else [],
+            heldout_conversations=int(self.last_eval.get("sequences", 0)),
+            heldout_tau_chain=round(self.last_eval.get("eval_tau_chain", 0.0), 4),
+            draft_vocab_size=self.head.arch.draft_vocab_size,
+            data={"name": cfg.data.name, "source": cfg.data.source, "max_length": cfg.data.max_length,
+                  "eval_conversations": cfg.data.eval_conversations},
+            command=self.command or "python train.py (overrides not recorded)")
 
     def _log(self, record: dict) -> None:
         if self.rank != 0:
@@ -520,11 +542,12 @@ class Recipe:
             handle.write(json.dumps(record) + "\n")
 
 
-def run(raw: DictConfig) -> Path | None:
+def run(raw: DictConfig, command: str = "") -> Path | None:
+    """command: the command line that started the run, recorded in the head card."""
     cfg: TrainConfig = to_object(raw, TrainConfig)
     if not cfg.run_dir:
         raise EagleLabError("run_dir is empty")
-    recipe = Recipe(cfg)
+    recipe = Recipe(cfg, command)
     recipe.setup()
     if cfg.trainer.capture_only:
         log.info("trainer.capture_only: features captured; nothing trained")

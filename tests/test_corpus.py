@@ -142,3 +142,18 @@ def test_training_sizes_share_one_capture_and_never_see_the_heldout_tail(tmp_pat
     with pytest.raises(EagleLabError, match="besides the 6 held out"):
         Recipe(smoke_cfg(tmp_path / "big", *common, "data.num_conversations=25",
                          f"trainer.features_dir={tmp_path / 'features'}")).setup()
+
+
+def test_head_card_round_trip_and_mtbench_tau(tmp_path):
+    from eagle_lab.card import HeadCard, read_card, record_mtbench_tau, write_card
+
+    assert read_card(tmp_path) is None and not record_mtbench_tau(tmp_path, "cpu", 0.0, 1.5, 80)
+    write_card(tmp_path, HeadCard(target="t", kind="eagle2", train_tokens=2_500_000, heldout_top1=[0.4, 0.3]))
+    assert record_mtbench_tau(tmp_path, "cpu", 0.0, 1.8123, 80)
+    assert record_mtbench_tau(tmp_path, "cpu", 1.0, 1.7, 20)
+    card = read_card(tmp_path)
+    assert card.mtbench_tau == {"cpu": {"T=0": 1.812, "T=1,n=20": 1.7}}
+    assert "2.50M tokens" in card.summary() and "cpu T=0: 1.81" in card.summary()
+    (tmp_path / "card.json").write_text("{not json")
+    with pytest.raises(EagleLabError, match="unreadable"):
+        read_card(tmp_path)

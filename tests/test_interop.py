@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
+from eagle_lab.card import HeadCard, read_card, write_card
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.eagle3 import Eagle3Head
 from eagle_lab.errors import EagleLabError
@@ -309,9 +310,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_exports_and_refuses_with_one_line(tiny_llama, tmp_path):
     head = new_head(tiny_llama, kind="eagle3", draft_vocab_ids=torch.arange(0, 259, 4), seed=3)
     head_dir = save_head(head, tmp_path / "run" / "head")
+    write_card(head_dir, HeadCard(target="tiny_llama", kind="eagle3", steps=7))
     done = run_cli(f"head_path={head_dir}", "format=eagle3", f"out={tmp_path / 'exported'}", "target=tiny_llama")
     assert done.returncode == 0, done.stderr
     assert "exported eagle3 head" in done.stdout
+    assert read_card(tmp_path / "exported").steps == 7  # the card travels with the head
     imported = import_published(tmp_path / "exported", tiny_llama)
     assert_same_head(head, imported)
 

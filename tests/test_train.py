@@ -130,6 +130,11 @@ def test_smoke_trains_exports_and_serves_losslessly(tmp_path):
     evals = [m for m in metrics if "eval_acc_1" in m]
     assert evals and "eval_tau_chain" in evals[-1] and all(f"eval_acc_{d}" in evals[-1] for d in range(1, 6))
     assert (run_dir / "resolved_config.yaml").is_file()
+    card = json.loads((head_dir / "card.json").read_text())
+    assert card["target"] == "tiny_llama" and card["kind"] == "eagle2" and card["steps"] == 30
+    assert card["command"].startswith("python train.py experiment=smoke")
+    assert card["train_tokens"] > 0 and card["epochs"] > 0
+    assert card["heldout_top1"] == [pytest.approx(evals[-1][f"eval_acc_{d}"], abs=1e-4) for d in range(1, 6)]
 
     target = load_target(TargetConfig(name="tiny_llama", source="tiny"))
     drafter = EagleDrafter(load_head(head_dir, target), target, TreeShape(depth=4, topk=4, total_tokens=12))
@@ -143,6 +148,7 @@ def test_smoke_trains_exports_and_serves_losslessly(tmp_path):
                         "max_new_tokens=8", f"hydra.run.dir={tmp_path / 'serve'}")
     assert served.returncode == 0, served.stderr[-2000:]
     assert json.loads(served.stdout)["new_tokens"] >= 1
+    assert "head card: eagle2 for tiny_llama" in served.stderr
 
 
 def test_sweep_runs_one_job_per_point(tmp_path):
