@@ -11,6 +11,10 @@ much as one, on a 2-core CPU several times more. So:
      verification a tree accepts the longest path that follows the output, so its accept
      length is known exactly for the recorded rounds;
   4. choose the shape with the highest (accepted + 1) / (target cost + draft cost + overhead).
+"Do not draft" competes like for like: it is priced by timing the no-draft path itself (the
+same loop with the head switched off), not by a model. The per-round overhead of tree rounds
+(verification, cache compaction, bookkeeping) is fitted as a line in the tree size through
+two timed shapes, the recording's and a small probe.
 The result is cached per target, head, device and dtype. Fixed `tree.depth/topk/total_tokens`
 values (non-zero) are kept; only the free ones are searched.
 """
@@ -49,6 +53,7 @@ class TreeSearchConfig:
     topks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
     totals: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 60])
     record_shape: tuple[int, int, int] = (7, 8, 64)  # the largest shape searched: its candidates contain all others'
+    probe_shape: tuple[int, int, int] = (2, 2, 4)  # a small shape, timed to fit the overhead's slope
     new_tokens: int = 48
     context: int = 256
 
@@ -58,7 +63,9 @@ class CostModel:
     target_ms: dict[int, float]  # K scored tokens -> ms
     level_ms: dict[int, float]  # frontier width k -> ms per tree level below the first
     first_level_ms: float  # feeding the accepted pairs + the root's children
-    overhead_ms: float  # per round, outside the two models (verification, bookkeeping)
+    overhead_ms: float  # per tree round, outside the two models (verification, bookkeeping)...
+    overhead_per_token_ms: float = 0.0  # ... plus this much per scored draft token
+    plain_ms: float = 0.0  # measured: one round of the no-draft path (one token); 0 = not measured
 
     def target(self, k: int) -> float:
         keys = sorted(self.target_ms)
@@ -73,10 +80,13 @@ class CostModel:
 
     def round_ms(self, shape: TreeShape) -> float:
         if shape.depth == 0:  # no draft: one token per round, the head is not run at all
-            return self.target(1) + self.overhead_ms
+            return self.plain_ms if self.plain_ms > 0 else self.target(1)
+        return self.model_ms(shape) + self.overhead_ms + self.overhead_per_token_ms * shape.total_tokens
+
+    def model_ms(self, shape: TreeShape) -> float:
+        """The two models' share of a tree round: scoring total_tokens + 1, drafting depth levels."""
         level = self.level_ms.get(shape.topk) or max(self.level_ms.values())
-        return (self.target(shape.total_tokens + 1) + self.first_level_ms + (shape.depth - 1) * level
-                + self.overhead_ms)
+        return self.target(shape.total_tokens + 1) + self.first_level_ms + (shape.depth - 1) * level
 
 
 @dataclass
@@ -158,6 +168,22 @@ def measure_draft_costs(drafter: EagleDrafter, target: Target, topks, context: i
     drafter.shape = original
     drafter.reset()
     return max(statistics.median(first) - prefix_ms, 0.0), levels
+
+
+def timed_rounds(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
+                 shape: TreeShape) -> float:
+    """Median ms per round of greedy runs with `shape` (depth 0: the no-draft path)."""
+    saved, drafter.shape = drafter.shape, shape
+    round_ms: list[float] = []
+    try:
+        for ids in prompts:
+            decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device), SamplingParams(),
+                                         Stopper(target.tokenizer, new_tokens, set()))
+            stamps = [time.perf_counter() for _ in decoder]  # the prefill, then one chunk per round
+            round_ms += [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
+    finally:
+        drafter.shape = saved
+    return statistics.median(round_ms) if round_ms else 0.0
 
 
 def record(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int):
@@ -264,14 +290,22 @@ def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], s
     target_ms = measure_target_costs(target, search.context)
     first_ms, level_ms = measure_draft_costs(drafter, target, search.topks, search.context)
     saved = drafter.shape
-    drafter.shape = TreeShape(*search.record_shape)
+    big, small = TreeShape(*search.record_shape), TreeShape(*search.probe_shape)
+    drafter.shape = big
     try:
-        recording, measured_round = record(target, drafter, prompts, search.new_tokens)
+        recording, big_ms = record(target, drafter, prompts, search.new_tokens)
     finally:
         drafter.shape = saved
-    modelled = CostModel(target_ms, level_ms, first_ms, 0.0).round_ms(TreeShape(*search.record_shape))
-    costs = CostModel(target_ms, level_ms, first_ms, max(measured_round - modelled, 0.0))
-    return {"cost_model": asdict(costs), "rounds": len(recording.rounds), "shapes": replay_all(recording, search)}
+    small_ms = timed_rounds(target, drafter, prompts, search.new_tokens, small)
+    plain_ms = timed_rounds(target, drafter, prompts, search.new_tokens, TreeShape(0, 0, 0))
+    models = CostModel(target_ms, level_ms, first_ms, 0.0)
+    # overhead = measured - modelled, as a line in the tree size through the two timed shapes
+    extra_big, extra_small = big_ms - models.model_ms(big), small_ms - models.model_ms(small)
+    slope = max((extra_big - extra_small) / max(big.total_tokens - small.total_tokens, 1), 0.0)
+    intercept = max(extra_small - slope * small.total_tokens, 0.0)
+    costs = CostModel(target_ms, level_ms, first_ms, intercept, slope, plain_ms)
+    return {"cost_model": asdict(costs), "rounds": len(recording.rounds), "shapes": replay_all(recording, search),
+            "measured_round_ms": {"record": big_ms, "probe": small_ms, "no_draft": plain_ms}}
 
 
 def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
@@ -297,11 +331,12 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
         path.write_text(json.dumps(summary, indent=2))
     cm = summary["cost_model"]
     costs = CostModel({int(k): v for k, v in cm["target_ms"].items()}, {int(k): v for k, v in cm["level_ms"].items()},
-                      cm["first_level_ms"], cm["overhead_ms"])
+                      cm["first_level_ms"], cm["overhead_ms"], cm["overhead_per_token_ms"], cm["plain_ms"])
     chosen, ranked = choose(summary["shapes"], costs, fixed)
-    log.info("tree=auto chose depth=%d topk=%d total_tokens=%d: predicted tau %.2f, %.1f tok/s vs %.1f plain "
-             "(costs: %s)", chosen.depth, chosen.topk, chosen.total_tokens, ranked[0]["tau"],
-             ranked[0]["tokens_per_s"], 1000 / costs.target(1), path)
+    no_draft = 1000 / costs.round_ms(TreeShape(0, 0, 0))
+    log.info("tree=auto chose depth=%d topk=%d total_tokens=%d: predicted tau %.2f, %.1f tok/s vs %.1f tok/s "
+             "measured without drafting (costs: %s)", chosen.depth, chosen.topk, chosen.total_tokens,
+             ranked[0]["tau"], ranked[0]["tokens_per_s"], no_draft, path)
     if chosen.depth == 0:
         log.warning("tree=auto: with this head no draft tree pays for itself on %s; decoding without drafts "
                     "(train a better head, or set tree.depth/topk/total_tokens to force one)", target.device)

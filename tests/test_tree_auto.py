@@ -36,10 +36,24 @@ def test_choose_trades_acceptance_for_cost():
     assert choose(shapes, steep, TreeShape(2, 0, 0))[0] == TreeShape(2, 2, 4)  # fixed depth is kept
 
 
+def test_no_draft_is_priced_by_its_measured_round_like_for_like():
+    shapes = [{"shape": {"depth": 0, "topk": 0, "total_tokens": 0}, "tau": 1.0},
+              {"shape": {"depth": 1, "topk": 4, "total_tokens": 4}, "tau": 1.5}]
+    # modelled target costs alone would make the tree win (1.5 / 14 ms > 1 / 10 ms) ...
+    costs = CostModel({1: 10.0, 5: 13.0}, {4: 1.0}, 1.0, 2.0, 0.1, plain_ms=9.0)
+    assert costs.round_ms(TreeShape(1, 4, 4)) == 13.0 + 1.0 + 2.0 + 0.4
+    assert costs.round_ms(TreeShape(0, 0, 0)) == 9.0  # ... priced as the no-draft path measured
+    chosen, ranked = choose(shapes, costs, TreeShape(0, 0, 0))
+    assert chosen == TreeShape(0, 0, 0) and ranked[0]["tokens_per_s"] == 1000 / 9.0
+    cheaper = CostModel({1: 10.0, 5: 11.0}, {4: 0.5}, 0.5, 0.5, 0.0, plain_ms=12.0)
+    chosen, ranked = choose(shapes, cheaper, TreeShape(0, 0, 0))
+    assert chosen == TreeShape(1, 4, 4) and ranked[0]["tokens_per_s"] > ranked[1]["tokens_per_s"]
+
+
 def test_auto_tree_calibrates_and_caches(tiny_llama, tmp_path):
     drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(4, 4, 12))
     search = TreeSearchConfig(depths=[1, 2, 3], topks=[1, 2], totals=[1, 2, 4], record_shape=(3, 2, 6),
-                              new_tokens=16, context=32)
+                              probe_shape=(1, 2, 2), new_tokens=16, context=32)
     prompts = [list(range(40, 60)), list(range(70, 85))]
     shape = auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path)
     assert drafter.shape == shape
@@ -47,5 +61,8 @@ def test_auto_tree_calibrates_and_caches(tiny_llama, tmp_path):
     assert len(files) == 1
     summary = json.loads(files[0].read_text())
     assert summary["rounds"] > 0 and summary["cost_model"]["target_ms"]
+    measured = summary["measured_round_ms"]
+    assert measured["no_draft"] > 0 and summary["cost_model"]["plain_ms"] == measured["no_draft"]
+    assert summary["cost_model"]["overhead_ms"] >= 0 and summary["cost_model"]["overhead_per_token_ms"] >= 0
     again = auto_tree(tiny_llama, drafter, TreeShape(2, 0, 0), prompts, search, cache_dir=tmp_path)
     assert again.depth == 2 and len(list(tmp_path.glob("*.json"))) == 1  # served from the cache
