@@ -123,7 +123,7 @@ def claim(split: Split, k: int) -> bool:
     lock = _lock_path(split, k)
     for _ in range(2):
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             if _lock_is_stale(lock):
                 log.info("taking over the stale lock %s", lock.name)
@@ -375,3 +375,35 @@ def status(directory: Path, shard_conversations: int, layer_ids: tuple[int, ...]
             "prefix_conversations": min(prefix * shard_conversations, len(counts)),
         }
     return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m eagle_lab.corpus [DIR ...]`: what each feature corpus holds (default: all in the cache)."""
+    from eagle_lab.embedded import cache_root
+
+    argv = sys.argv[1:] if argv is None else argv
+    directories = [Path(a) for a in argv] or sorted((cache_root() / "features").glob("*-corpus-*"))
+    if not directories:
+        print(f"no feature corpus under {cache_root() / 'features'}")
+        return 0
+    for directory in directories:
+        manifest = read_manifest(directory)
+        if manifest is None:
+            print(f"{directory}: no {MANIFEST} (not a corpus, or its first capture has not counted tokens yet)")
+            continue
+        fp = manifest["fingerprint"]
+        tags = sorted({p.name.split("_")[0] for p in (directory / "train").glob("layers-*.safetensors")})
+        report = status(directory, int(fp["shard_conversations"]))
+        print(f"{directory}  ({report['bytes'] / 2**30:.2f} GiB; max_length {fp['max_length']}; "
+              f"layer files: {', '.join(tags) or 'none'})")
+        for name in ("train", "eval"):
+            r = report[name]
+            print(f"  {name:5s} {r['shards_done']}/{r['shards']} shards, {r['tokens_done'] / 1e6:.2f}M of "
+                  f"{r['tokens'] / 1e6:.2f}M tokens; complete prefix: {r['prefix_conversations']} of "
+                  f"{r['conversations']} conversations")
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    sys.exit(main())

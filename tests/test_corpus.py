@@ -101,17 +101,19 @@ def test_live_lock_is_left_to_its_worker_and_dead_lock_is_taken_over(target, tmp
     assert split.shard_file(0).exists() and not lock.exists()
 
 
-def test_status_reports_what_is_on_disk(target, tmp_path):
-    from eagle_lab.corpus import write_manifest
+def test_status_reports_what_is_on_disk(target, tmp_path, capsys):
+    from eagle_lab.corpus import main, write_manifest
 
     convs = conversations(9)
     split = make_split(tmp_path, convs)
-    write_manifest(tmp_path, {"x": 1}, counts(target, convs), [])
+    write_manifest(tmp_path, {"max_length": 64, "shard_conversations": 4}, counts(target, convs), [])
     capture_split(target, split, 4, tokenizer_of(target), counts(target, convs))
     report = status(tmp_path, 4)
     assert report["train"]["shards"] == 3 and report["train"]["shards_done"] == 1
     assert report["train"]["prefix_conversations"] == 4
     assert report["train"]["tokens_done"] == sum(counts(target, convs)[:4])
+    assert main([str(tmp_path)]) == 0
+    assert "train 1/3 shards" in capsys.readouterr().out
 
 
 def test_training_sizes_share_one_capture_and_never_see_the_heldout_tail(tmp_path):
