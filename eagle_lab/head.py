@@ -200,6 +200,23 @@ class EagleHead(nn.Module):
     def init_from_target(self, target) -> None:
         """Hook for heads with weights best started from the target's (EAGLE-3's LM head)."""
 
+    def init_layer_from_target(self, target) -> None:
+        """Start the decoder layer from the target's last one (a recipe option: the head then
+        begins as the target's own top layer). The target's input norm has no counterpart here
+        (EAGLE-2 feeds the fc output raw), so only its gain is folded into q, k and v."""
+        source = target.backbone.layers[-1]
+        with torch.no_grad():
+            gain = source.input_layernorm.weight.float()  # [H]
+            for name in ("q_proj", "k_proj", "v_proj"):
+                ours, theirs = getattr(self.layer.self_attn, name), getattr(source.self_attn, name)
+                ours.weight.copy_((theirs.weight.float() * gain).to(ours.weight.dtype))  # [out, H] * [H]
+                if ours.bias is not None and theirs.bias is not None:
+                    ours.bias.copy_(theirs.bias)
+            self.layer.self_attn.o_proj.weight.copy_(source.self_attn.o_proj.weight)
+            self.layer.post_attention_layernorm.weight.copy_(source.post_attention_layernorm.weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(self.layer.mlp, name).weight.copy_(getattr(source.mlp, name).weight)
+
     def inputs(self, token_embeds: torch.Tensor, features: torch.Tensor, from_draft: bool = False):
         """-> (attention input [B, T, In], residual stream [B, T, H]).
 
@@ -236,9 +253,10 @@ def head_class(kind: str) -> type[EagleHead]:
 
 
 def new_head(target, kind: str = "eagle2", draft_vocab_ids: torch.Tensor | None = None, seed: int = 0,
-             feature_layers: tuple[int, ...] = ()) -> EagleHead:
+             feature_layers: tuple[int, ...] = (), layer_from_target: bool = False) -> EagleHead:
     """A freshly initialised head for `target`; feature_layers overrides the kind's default
-    (EAGLE-3: hidden_states indices (2, L//2, L-3))."""
+    (EAGLE-3: hidden_states indices (2, L//2, L-3)); layer_from_target starts an EAGLE-2
+    head's decoder layer from the target's last layer."""
     cls = head_class(kind)
     size = 0 if draft_vocab_ids is None else draft_vocab_ids.numel()
     layers = tuple(feature_layers) or cls.default_feature_layers(target.num_layers)
@@ -254,6 +272,10 @@ def new_head(target, kind: str = "eagle2", draft_vocab_ids: torch.Tensor | None 
     if draft_vocab_ids is not None:
         head.draft_to_target.copy_(draft_vocab_ids.sort().values)
     head.init_from_target(target)
+    if layer_from_target:
+        if kind != "eagle2":
+            raise EagleLabError("head.init_layer_from_target applies to eagle2 heads only")
+        head.init_layer_from_target(target)
     return head.to(device=target.device, dtype=target.dtype)
 
 

@@ -361,7 +361,8 @@ class Recipe:
 
     def _new_head(self, vocab_ids):
         head = new_head(self.target, kind=self.cfg.head.kind, draft_vocab_ids=vocab_ids, seed=self.cfg.head.seed,
-                        feature_layers=tuple(self.cfg.head.feature_layers))
+                        feature_layers=tuple(self.cfg.head.feature_layers),
+                        layer_from_target=self.cfg.head.init_layer_from_target)
         return head.float() if self.device.type == "cpu" else head
 
     def _sources(self):

@@ -172,3 +172,17 @@ def test_eagle3_smoke_trains_end_to_end(tmp_path):
     assert head.arch.kind == "eagle3" and head.arch.draft_vocab_size == 128
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_acc_3" in e for e in evals)
+
+
+def test_head_layer_can_start_from_the_targets_last_layer(tiny_target):
+    from eagle_lab.head import new_head
+
+    head = new_head(tiny_target, layer_from_target=True)
+    last = tiny_target.backbone.layers[-1]
+    gain = last.input_layernorm.weight
+    assert torch.allclose(head.layer.self_attn.q_proj.weight, last.self_attn.q_proj.weight * gain)
+    assert torch.equal(head.layer.mlp.down_proj.weight, last.mlp.down_proj.weight)
+    assert torch.equal(head.layer.post_attention_layernorm.weight, last.post_attention_layernorm.weight)
+    assert not torch.equal(new_head(tiny_target).layer.mlp.down_proj.weight, last.mlp.down_proj.weight)
+    with pytest.raises(EagleLabError, match="eagle2 heads only"):
+        new_head(tiny_target, kind="eagle3", layer_from_target=True)
