@@ -159,3 +159,22 @@ def test_head_card_round_trip_and_mtbench_tau(tmp_path):
     (tmp_path / "card.json").write_text("{not json")
     with pytest.raises(EagleLabError, match="unreadable"):
         read_card(tmp_path)
+
+
+def test_scaling_report_tables_and_plots_runs_by_tokens(tmp_path, capsys):
+    from eagle_lab.card import HeadCard, write_card
+    from eagle_lab.scaling_report import main
+
+    for name, tokens, top1, tau in (("big", 2_000_000, [0.5, 0.4], {"cpu": {"T=0,n=20": 2.1}}),
+                                    ("small", 300_000, [0.3, 0.2], {})):
+        (tmp_path / name / "head").mkdir(parents=True)
+        write_card(tmp_path / name / "head", HeadCard(target="t", kind="eagle2", train_tokens=tokens,
+                                                      heldout_top1=top1, heldout_tau_chain=1.5, mtbench_tau=tau))
+    (tmp_path / "nocard").mkdir()
+    assert main([str(tmp_path / "big"), str(tmp_path / "small"), str(tmp_path / "nocard"),
+                 "--out", str(tmp_path / "out")]) == 0
+    rows = (tmp_path / "out" / "scaling.md").read_text().splitlines()[2:]
+    assert rows[0].startswith("| small |") and rows[1].startswith("| big |")  # sorted by tokens
+    assert "2.10 (20 prompts)" in rows[1] and rows[0].endswith("| - |")
+    assert (tmp_path / "out" / "scaling.png").stat().st_size > 0
+    assert "no card.json" in capsys.readouterr().err

@@ -1,0 +1,98 @@
+"""`python -m eagle_lab.scaling_report RUN_DIR... [--out DIR]`: the data-scaling table and plot.
+
+Reads each run's `head/card.json` (written by train.py, MT-bench tau added by
+`mode=bench bench.update_card=true`) and writes `scaling.md` (a Markdown table, one row per
+run, sorted by training tokens) and `scaling.png` (held-out chain tau and MT-bench tau against
+training tokens, log scale) to --out (default: the current directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from eagle_lab.card import HeadCard, read_card
+
+
+def load_cards(run_dirs: list[Path]) -> list[tuple[Path, HeadCard]]:
+    cards = []
+    for run in run_dirs:
+        card = read_card(run / "head") or read_card(run)
+        if card is None:
+            print(f"warning: {run} has no card.json (in head/ or itself): skipped", file=sys.stderr)
+            continue
+        cards.append((run, card))
+    return sorted(cards, key=lambda rc: (rc[1].train_tokens, str(rc[0])))
+
+
+def mtbench(card: HeadCard, tree: str = "cpu", temperature: str = "T=0") -> str:
+    """The MT-bench tau for a tree at a temperature, with its prompt count when not all 80."""
+    by_t = card.mtbench_tau.get(tree, {})
+    for key, tau in sorted(by_t.items()):
+        if key == temperature or key.startswith(temperature + ","):
+            n = key.partition(",n=")[2]
+            return f"{tau:.2f}" + (f" ({n} prompts)" if n else "")
+    return "-"
+
+
+def table(cards: list[tuple[Path, HeadCard]]) -> str:
+    depth = max((len(c.heldout_top1) for _, c in cards), default=0)
+    head = (["run", "conversations", "tokens", "epochs", "steps"] + [f"top-1 @{d}" for d in range(1, depth + 1)]
+            + ["chain tau", "MT-bench tau (tree=cpu, T=0)"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run, card in cards:
+        top1 = [f"{a:.3f}" for a in card.heldout_top1] + ["-"] * (depth - len(card.heldout_top1))
+        row = [run.name, str(card.train_conversations), f"{card.train_tokens / 1e6:.2f}M", f"{card.epochs:.2f}",
+               str(card.steps), *top1, f"{card.heldout_tau_chain:.3f}", mtbench(card)]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(cards: list[tuple[Path, HeadCard]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    tokens = [c.train_tokens / 1e6 for _, c in cards]
+    depth = max((len(c.heldout_top1) for _, c in cards), default=0)
+    for d in range(depth):
+        left.plot(tokens, [c.heldout_top1[d] if d < len(c.heldout_top1) else float("nan") for _, c in cards],
+                  marker="o", label=f"position {d + 1}")
+    left.set(xscale="log", xlabel="training tokens (M)", ylabel="held-out top-1", title="held-out top-1 by draft position")
+    left.legend(fontsize=8)
+    right.plot(tokens, [c.heldout_tau_chain for _, c in cards], marker="o", label="held-out chain tau")
+    bench = [(t, c.mtbench_tau.get("cpu", {})) for t, (_, c) in zip(tokens, cards)]
+    points = [(t, next((v for k, v in sorted(by_t.items()) if k.startswith("T=0")), None)) for t, by_t in bench]
+    points = [(t, v) for t, v in points if v is not None]
+    if points:
+        right.plot(*zip(*points), marker="s", label="MT-bench tau (tree=cpu, T=0)")
+    right.set(xscale="log", xlabel="training tokens (M)", ylabel="tokens per target forward", title="tau")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="training run directories (runs/<name>)")
+    parser.add_argument("--out", type=Path, default=Path("."), help="where scaling.md and scaling.png go")
+    args = parser.parse_args(argv)
+    cards = load_cards(args.runs)
+    if not cards:
+        print("error: none of the given runs has a head card", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = table(cards)
+    (args.out / "scaling.md").write_text(text)
+    plot(cards, args.out / "scaling.png")
+    print(text, end="")
+    print(f"wrote {args.out / 'scaling.md'} and {args.out / 'scaling.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
