@@ -178,3 +178,18 @@ def test_scaling_report_tables_and_plots_runs_by_tokens(tmp_path, capsys):
     assert "2.10 (20 prompts)" in rows[1] and rows[0].endswith("| - |")
     assert (tmp_path / "out" / "scaling.png").stat().st_size > 0
     assert "no card.json" in capsys.readouterr().err
+
+
+def test_capture_only_cli_captures_and_trains_nothing(tmp_path):
+    from test_train import run_script
+
+    data = tmp_path / "convs.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": c}) for c in conversations(20)))
+    done = run_script("train.py", "experiment=smoke", "data=file", f"data.path={data}", "data.num_conversations=0",
+                      "data.eval_conversations=4", "data.shard_conversations=8", "trainer.capture_only=true",
+                      f"trainer.features_dir={tmp_path / 'features'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    corpus = next((tmp_path / "features").glob("tiny_llama-corpus-*"))
+    assert len(list((corpus / "train").glob("shard_*.safetensors"))) == 2  # 16 conversations / 8
+    assert len(list((corpus / "eval").glob("shard_*.safetensors"))) == 1
+    assert "capture train: 2/2 shards" in done.stderr and not (tmp_path / "run" / "head").exists()
