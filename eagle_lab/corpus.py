@@ -144,7 +144,8 @@ def release(split: Split, k: int) -> None:
 
 @dataclass
 class CaptureProgress:
-    """One line per shard: tokens done of the requested total, rate of this process, ETA."""
+    """One line per shard: tokens done of the requested total, this process's rate, and the
+    rate of all workers together (what the ETA uses: other workers fill shards too)."""
 
     split: str
     total_tokens: int
@@ -153,15 +154,18 @@ class CaptureProgress:
     shards_done: int
     started: float = 0.0
     tokens_this_run: int = 0
+    done_at_start: int = -1
 
     def line(self) -> str:
-        elapsed = time.perf_counter() - self.started
-        rate = self.tokens_this_run / max(elapsed, 1e-9)
+        if self.done_at_start < 0:
+            self.done_at_start = self.done_tokens
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        mine, overall = self.tokens_this_run / elapsed, (self.done_tokens - self.done_at_start) / elapsed
         left = max(self.total_tokens - self.done_tokens, 0)
-        eta = _duration(left / rate) if rate > 0 else "?"
+        eta = _duration(left / overall) if overall > 0 else "?"
         return (f"capture {self.split}: {self.shards_done}/{self.shards_total} shards, "
                 f"{self.done_tokens / 1e6:.2f}M/{self.total_tokens / 1e6:.2f}M tokens, "
-                f"{rate:.0f} tok/s in this process, ETA {eta} at this rate")
+                f"{mine:.0f} tok/s here, {overall:.0f} tok/s all workers, ETA {eta}")
 
 
 def _duration(seconds: float) -> str:
