@@ -2,12 +2,15 @@
 
 One process, one target, the same prompts for every method:
   vanilla           eagle_lab's plain decoding (the baseline: one target forward per token)
-  eagle             speculative decoding with the configured head and tree
+  eagle             speculative decoding with the configured head and tree (no n-gram branches)
+  eagle+ngram       the same head and tree with n-gram (prompt lookup) branches merged in (ngram.*)
+  ngram             n-gram drafting alone, no head, through the same loop and verifier
   hf_greedy         `model.generate` (greedy at T=0, sampling at T>0)
   hf_prompt_lookup  `model.generate(prompt_lookup_num_tokens=10)`, greedy only
 For each temperature it reports tokens/s, tau (tokens per target forward), speedup over
-vanilla, mean wall time per prompt, EAGLE's acceptance rate at each tree depth and, at
-T=0, how many prompts' greedy outputs differ from vanilla's (all must be identical).
+vanilla, mean wall time per prompt, EAGLE's acceptance rate at each tree depth, the share of
+accepted draft tokens that came from n-gram branches and, at T=0, how many prompts' greedy
+outputs differ from vanilla's (all must be identical).
 Results go to results.json, results.md and bench.png in the run directory.
 """
 
@@ -28,18 +31,21 @@ import transformers
 
 from eagle_lab.bench_data import Prompt, load_bench_prompts
 from eagle_lab.bench_report import REFERENCE, write_outputs
-from eagle_lab.builders import build_decoder, build_drafter, build_head, make_generator, packaged_head_dir
+from eagle_lab.builders import (SPECULATIVE, build_decoder, build_drafter, build_head, make_generator,
+                                ngram_proposer, packaged_head_dir)
 from eagle_lab.card import record_mtbench_tau
 from eagle_lab.config import ServeConfig
-from eagle_lab.draft import EagleDrafter
+from eagle_lab.draft import Drafter, EagleDrafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats, Stopper, generate
+from eagle_lab.ngram import NgramDrafter
 from eagle_lab.prompts import as_tensor, encode_prompt
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import Target, load_target
 
 log = logging.getLogger(__name__)
-METHODS = ("vanilla", "eagle", "hf_greedy", "hf_prompt_lookup")
+METHODS = ("vanilla", "eagle", "eagle+ngram", "ngram", "hf_greedy", "hf_prompt_lookup")
+HEAD_METHODS = ("eagle", "eagle+ngram")  # methods that run the head
 HF_METHODS = ("hf_greedy", "hf_prompt_lookup")
 GREEDY_ONLY = ("hf_prompt_lookup",)
 PROMPT_LOOKUP_TOKENS = 10
@@ -58,11 +64,11 @@ class Run:
 
 @dataclass
 class BenchContext:
-    """What every method run needs: the target, the drafter and the shared settings."""
+    """What every method run needs: the target, the drafters and the shared settings."""
 
     cfg: ServeConfig
     target: Target
-    drafter: EagleDrafter | None
+    drafters: dict[str, Drafter]  # speculative method -> its drafter
     eos: set[int]  # empty when cfg.ignore_eos
     pad_token_id: int
     cache_kwarg: str  # the name `model.generate` takes a cache under
@@ -75,8 +81,8 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
     run_dir = resolve_run_dir(out_dir)
     target = load_target(cfg.target)
     encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]  # checked before any work
-    drafter = build_drafter(build_head(cfg.head, target), target, cfg.tree) if "eagle" in cfg.bench.methods else None
-    ctx = make_context(cfg, target, drafter)
+    drafters = build_drafters(cfg, target)
+    ctx = make_context(cfg, target, drafters)
     log.info("bench: %d prompts from %s, methods %s, temperatures %s -> %s", len(prompts), cfg.bench.dataset,
              ", ".join(cfg.bench.methods), ", ".join(map(str, cfg.bench.temperatures)), run_dir)
 
@@ -98,7 +104,7 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
         records.extend(prompt_records(runs, temperature, target.tokenizer, params.greedy))
 
     results = {
-        "config": config_summary(cfg, target, len(prompts), drafter),
+        "config": config_summary(cfg, target, len(prompts), drafters),
         "prompts": [{"index": i, "prompt_tokens": len(ids), "preview": _preview(p)}
                     for i, (p, ids) in enumerate(zip(prompts, encoded))],
         "summary": summary,
@@ -108,6 +114,21 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
     if cfg.bench.update_card:
         update_card(cfg, target, summary, len(prompts))
     return results
+
+
+def build_drafters(cfg: ServeConfig, target: Target) -> dict[str, Drafter]:
+    """One drafter per speculative method requested; eagle and eagle+ngram share one head
+    (under tree=auto each is calibrated, and cached, on its own)."""
+    methods = cfg.bench.methods
+    head = build_head(cfg.head, target) if any(m in HEAD_METHODS for m in methods) else None
+    drafters: dict[str, Drafter] = {}
+    if "eagle" in methods:
+        drafters["eagle"] = build_drafter(head, target, cfg.tree)
+    if "eagle+ngram" in methods:
+        drafters["eagle+ngram"] = build_drafter(head, target, cfg.tree, ngram_proposer(cfg.ngram))
+    if "ngram" in methods:
+        drafters["ngram"] = NgramDrafter(ngram_proposer(cfg.ngram))
+    return drafters
 
 
 def update_card(cfg: ServeConfig, target: Target, summary: dict[str, dict[str, Any]], prompts: int) -> None:
@@ -140,6 +161,8 @@ def validate_bench(cfg: ServeConfig) -> None:
         SamplingParams(temperature, cfg.top_k, cfg.top_p)  # raises EagleLabError on bad values
     if len({temperature_key(t) for t in bench.temperatures}) != len(bench.temperatures):
         raise EagleLabError(f"bench.temperatures repeats a value: {list(bench.temperatures)}")
+    if any(m in ("eagle+ngram", "ngram") for m in bench.methods):
+        ngram_proposer(cfg.ngram)  # raises EagleLabError on bad ngram.* values
     if bench.warmup < 0:
         raise EagleLabError(f"bench.warmup must be >= 0, got {bench.warmup}")
     if cfg.max_new_tokens < 1:
@@ -165,7 +188,7 @@ def resolve_run_dir(out_dir: str | Path | None = None) -> Path:
     return path
 
 
-def make_context(cfg: ServeConfig, target: Target, drafter: EagleDrafter | None) -> BenchContext:
+def make_context(cfg: ServeConfig, target: Target, drafters: dict[str, Drafter]) -> BenchContext:
     eos = set() if cfg.ignore_eos else set(target.eos_token_ids)
     pad = target.tokenizer.pad_token_id
     if pad is None:
@@ -174,7 +197,7 @@ def make_context(cfg: ServeConfig, target: Target, drafter: EagleDrafter | None)
         pad = min(target.eos_token_ids, default=0)
     params = inspect.signature(target.model.forward).parameters
     cache_kwarg = "cache" if "cache" in params else "past_key_values"
-    return BenchContext(cfg, target, drafter, eos, int(pad), cache_kwarg)
+    return BenchContext(cfg, target, drafters, eos, int(pad), cache_kwarg)
 
 
 def warm_up(ctx: BenchContext, method: str, encoded: list[list[int]], params: SamplingParams) -> None:
@@ -195,7 +218,7 @@ def run_prompts(ctx: BenchContext, method: str, encoded: list[list[int]], params
 
 def run_method(ctx: BenchContext, method: str, prompt_ids: list[int], params: SamplingParams) -> Run:
     """Generate for one prompt with one method, timed from the call to the last token."""
-    if method in ("vanilla", "eagle"):
+    if method == "vanilla" or method in SPECULATIVE:
         return _run_eagle_lab(ctx, method, prompt_ids, params)
     if method in HF_METHODS:
         return _run_hf(ctx, method, prompt_ids, params)
@@ -208,7 +231,7 @@ def _run_eagle_lab(ctx: BenchContext, method: str, prompt_ids: list[int], params
     def decode():
         stopper = Stopper(target.tokenizer, ctx.cfg.max_new_tokens, ctx.eos)
         generator = make_generator(ctx.cfg.seed, target.device)
-        decoder = build_decoder(method, target, ctx.drafter, as_tensor(prompt_ids, target.device), params,
+        decoder = build_decoder(method, target, ctx.drafters.get(method), as_tensor(prompt_ids, target.device), params,
                                 stopper, generator)
         return generate(decoder)
 
@@ -305,9 +328,12 @@ def summarise(methods: list[str], runs: dict[str, list[Run]], greedy: bool) -> d
             "speedup": None,
             "greedy_mismatches": None,
             "acceptance_by_depth": None,
+            "ngram_share": None,
         }
         if method == "eagle":
             row["acceptance_by_depth"] = acceptance_by_depth([r.stats for r in method_runs if r.stats])
+        if method in SPECULATIVE:
+            row["ngram_share"] = ngram_share([r.stats for r in method_runs if r.stats])
         if greedy and reference is not None:
             row["greedy_mismatches"] = sum(r.token_ids != ref.token_ids for r, ref in zip(method_runs, reference))
         summary[method] = row
@@ -316,6 +342,12 @@ def summarise(methods: list[str], runs: dict[str, list[Run]], greedy: bool) -> d
         if base and row.get("tokens_per_s") is not None:
             row["speedup"] = row["tokens_per_s"] / base
     return summary
+
+
+def ngram_share(stats: list[GenerationStats]) -> float | None:
+    """Accepted draft tokens that came from n-gram branches / all accepted draft tokens (None: none accepted)."""
+    accepted = sum(s.accepted_draft_tokens for s in stats)
+    return sum(s.accepted_ngram_tokens for s in stats) / accepted if accepted else None
 
 
 def acceptance_by_depth(stats: list[GenerationStats]) -> list[dict[str, Any]]:
@@ -355,20 +387,28 @@ def prompt_records(runs: dict[str, list[Run]], temperature: float, tokenizer, gr
 
 
 def config_summary(cfg: ServeConfig, target: Target, num_prompts: int,
-                   drafter: EagleDrafter | None = None) -> dict[str, Any]:
+                   drafters: dict[str, Drafter] | None = None) -> dict[str, Any]:
     head = cfg.head.path
     if head == "":
         packaged = packaged_head_dir(target.name)
         head = str(packaged) if packaged else "random"
     device = target.device
+    drafters = drafters or {}
+    eagle = [drafters[m] for m in HEAD_METHODS if isinstance(drafters.get(m), EagleDrafter)]
+    uses_ngram = any(m in drafters for m in ("eagle+ngram", "ngram"))
+    hybrid = drafters.get("eagle+ngram")
     return {
         "target": target.name,
         "target_source": cfg.target.source,
         "target_path": cfg.target.path,
-        "head": head if "eagle" in cfg.bench.methods else None,
+        "head": head if eagle else None,
         "head_kind": cfg.head.kind,
-        "tree": asdict(drafter.shape) if drafter is not None else None,  # as used (tree=auto resolved)
+        "tree": asdict(eagle[0].shape) if eagle else None,  # as used (tree=auto resolved)
         "tree_auto": cfg.tree.auto,
+        "ngram": asdict(cfg.ngram) if uses_ngram else None,
+        # eagle+ngram as used: its tree and chain length (tree=auto may choose others than eagle's, or none)
+        "hybrid": ({"tree": asdict(hybrid.shape), "ngram_tokens": hybrid.ngram.max_tokens if hybrid.ngram else 0}
+                   if isinstance(hybrid, EagleDrafter) else None),
         "device": str(device),
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                         else platform.processor() or platform.machine()),

@@ -33,20 +33,22 @@ def write_markdown(results: dict[str, Any]) -> str:
         f"device {cfg['device']} ({cfg['dtype']}), head {cfg['head'] or '-'}, tree depth {tree['depth']} / "
         f"topk {tree['topk']} / {tree['total_tokens']} tokens{' (tree=auto)' if cfg['tree_auto'] else ''}; torch {cfg['torch']}, "
         f"transformers {cfg['transformers']}",
+        *_ngram_lines(cfg),
         "",
-        "| T | method | tokens/s | tau | speedup | mean wall/prompt (s) | greedy mismatches | note |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| T | method | tokens/s | tau | speedup | mean wall/prompt (s) | greedy mismatches | n-gram share | note |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for temperature, methods in results["summary"].items():
         for method, row in methods.items():
             if row["status"] != "ok":
-                lines.append(f"| {temperature} | {method} | - | - | - | - | - | {row['note']} |")
+                lines.append(f"| {temperature} | {method} | - | - | - | - | - | - | {row['note']} |")
                 continue
             mismatches = "-" if row["greedy_mismatches"] is None else f"{row['greedy_mismatches']}/{row['prompts']}"
             note = "reference" if method == REFERENCE else row["note"]
             lines.append(
                 f"| {temperature} | {method} | {_fmt(row['tokens_per_s'], '.1f')} | {_fmt(row['tau'], '.2f')} | "
-                f"{_fmt(row['speedup'], '.2f', 'x')} | {_fmt(row['mean_wall_s'], '.3f')} | {mismatches} | {note} |"
+                f"{_fmt(row['speedup'], '.2f', 'x')} | {_fmt(row['mean_wall_s'], '.3f')} | {mismatches} | "
+                f"{_fmt(row.get('ngram_share'), '.2f')} | {note} |"
             )
     depth_rows = {t: m["eagle"]["acceptance_by_depth"] for t, m in results["summary"].items()
                   if m.get("eagle", {}).get("acceptance_by_depth")}
@@ -60,6 +62,21 @@ def write_markdown(results: dict[str, Any]) -> str:
             cells += ["-"] * (depth - len(cells))
             lines.append(f"| {temperature} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _ngram_lines(cfg: dict[str, Any]) -> list[str]:
+    """The n-gram settings, and the tree and chain length eagle+ngram ran with, when n-gram methods ran."""
+    ngram = cfg.get("ngram")
+    if not ngram:
+        return []
+    line = (f"n-gram: suffix match {ngram['min_match']}-{ngram['max_match']} tokens, chains of up to "
+            f"{ngram['max_tokens']} tokens")
+    hybrid = cfg.get("hybrid")
+    if hybrid:
+        tree = hybrid["tree"]
+        line += (f"; eagle+ngram ran tree depth {tree['depth']} / topk {tree['topk']} / {tree['total_tokens']} "
+                 f"tokens with chains of {hybrid['ngram_tokens']} tokens")
+    return ["", line + " (n-gram share: accepted draft tokens from n-gram branches / all accepted draft tokens)"]
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:

@@ -8,17 +8,19 @@ from pathlib import Path
 import torch
 
 from eagle_lab.card import read_card
-from eagle_lab.config import HeadConfig, TreeConfig
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.config import HeadConfig, NgramConfig, TreeConfig
+from eagle_lab.draft import Drafter, EagleDrafter, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, speculative_decode, vanilla_decode
 from eagle_lab.head import EagleHead, load_head, new_head
+from eagle_lab.ngram import NgramProposer
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import Target
 
 log = logging.getLogger(__name__)
 PACKAGED_HEADS = Path(__file__).parent / "assets" / "heads"
-METHODS = ("eagle", "vanilla")
+METHODS = ("eagle", "vanilla", "ngram")
+SPECULATIVE = ("eagle", "ngram", "eagle+ngram")  # decoders that run a drafter through speculative_decode
 
 
 def packaged_head_dir(target_name: str) -> Path | None:
@@ -44,27 +46,37 @@ def build_head(cfg: HeadConfig, target: Target) -> EagleHead:
     return head
 
 
-def build_decoder(method: str, target: Target, drafter: EagleDrafter | None, prompt_ids: torch.Tensor,
+def build_decoder(method: str, target: Target, drafter: Drafter | None, prompt_ids: torch.Tensor,
                   params: SamplingParams, stopper: Stopper, generator: torch.Generator | None):
     if method == "vanilla":
         return vanilla_decode(target, prompt_ids, params, stopper, generator)
-    if method == "eagle":
+    if method in SPECULATIVE:
         return speculative_decode(target, drafter, prompt_ids, params, stopper, generator)
     raise EagleLabError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
 
 
-def build_drafter(head: EagleHead, target: Target, tree: TreeConfig) -> EagleDrafter:
-    """A drafter with a fixed tree, or with the shape tree=auto measures for this device."""
+def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
+                  ngram: NgramProposer | None = None) -> EagleDrafter:
+    """A drafter with a fixed tree, or with the shape tree=auto measures for this device.
+
+    ngram: merge n-gram branches into every tree (hybrid drafting); under tree=auto its chain
+    length is searched too (up to ngram.max_tokens), and it may be switched off or used alone.
+    """
     fixed = TreeShape(tree.depth, tree.topk, tree.total_tokens)
     if not tree.auto:
         if not (tree.depth and tree.topk and tree.total_tokens):
             raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")
-        return EagleDrafter(head, target, fixed)
+        return EagleDrafter(head, target, fixed, ngram)
     from eagle_lab.tree_auto import auto_tree
 
-    drafter = EagleDrafter(head, target, TreeShape(4, 4, 12))
+    drafter = EagleDrafter(head, target, TreeShape(4, 4, 12), ngram)
     auto_tree(target, drafter, fixed)
     return drafter
+
+
+def ngram_proposer(cfg: NgramConfig) -> NgramProposer:
+    """The n-gram settings as a proposer; bad values raise EagleLabError."""
+    return NgramProposer(cfg.min_match, cfg.max_match, cfg.max_tokens)
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

@@ -42,6 +42,17 @@ class TreeConfig:
 
 
 @dataclass
+class NgramConfig:
+    """Hybrid drafting (eagle_lab/ngram.py): copy a continuation of the context as an extra
+    tree branch. Also the settings of method=ngram and of the bench methods eagle+ngram / ngram."""
+
+    enabled: bool = False  # merge n-gram branches into the EAGLE tree (method=eagle)
+    min_match: int = 2  # shortest suffix of the committed sequence to look up
+    max_match: int = 4  # longest suffix, tried first
+    max_tokens: int = 8  # chain length (tree=auto: the longest it may choose)
+
+
+@dataclass
 class BenchConfig:
     dataset: str = "mt_bench"  # mt_bench | humaneval | a .jsonl file of prompts
     limit: int = 10
@@ -56,9 +67,10 @@ class ServeConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
+    ngram: NgramConfig = field(default_factory=NgramConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     mode: str = "generate"  # generate | bench
-    method: str = "eagle"  # eagle | vanilla
+    method: str = "eagle"  # eagle | vanilla | ngram
     prompt: str = ""
     prompts_file: str = ""
     chat: bool = True

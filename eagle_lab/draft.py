@@ -9,7 +9,9 @@
   3. rerank all candidates and keep the best `total_tokens` as the tree (a child never
      scores above its parent, so kept nodes always have their ancestors).
 Frontier entries in the head's cache are dropped at the start of the next round; only
-committed pairs persist.
+committed pairs persist. With `ngram` set (hybrid drafting), the n-gram chain proposed from
+the context is merged into the tree afterwards (eagle_lab/ngram.py); with drafting off
+(depth 0) the tree is the root plus that chain, and the head is not run.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Protocol
 import torch
 
 from eagle_lab.head import EagleHead, HeadKVCache, draft_lm_head_weight
+from eagle_lab.ngram import NgramProposer, merge_chain
 from eagle_lab.target import Target, tree_attention_mask
 from eagle_lab.tree import DraftTree, build_tree, root_only_tree, select_best
 
@@ -61,8 +64,9 @@ class Drafter(Protocol):
 
 
 class EagleDrafter:
-    def __init__(self, head: EagleHead, target: Target, shape: TreeShape):
+    def __init__(self, head: EagleHead, target: Target, shape: TreeShape, ngram: NgramProposer | None = None):
         self.head, self.target, self.shape = head.eval(), target, shape
+        self.ngram = ngram  # hybrid drafting: an n-gram chain merged into every tree (None: off)
         self.rotary = target.backbone.rotary_emb
         self.lm_weight = draft_lm_head_weight(head, target)  # [Vd, H]
         self.cache = HeadKVCache()
@@ -87,8 +91,14 @@ class EagleDrafter:
         top = logp.topk(k, dim=-1)
         return top.values, self.head.draft_to_target[top.indices]
 
-    @torch.no_grad()
     def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+        tree = self._draft_eagle(sequence, new_features, max_depth)
+        if self.ngram is not None and max_depth >= 1:  # the chain's depth is its length: cap it like the tree's
+            tree = merge_chain(tree, self.ngram.propose(sequence)[:max_depth])
+        return tree
+
+    @torch.no_grad()
+    def _draft_eagle(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
         device = sequence.device
         root = int(sequence[-1])
         if self.shape.depth < 1 or self.shape.total_tokens < 1 or self.shape.topk < 1:

@@ -18,6 +18,7 @@ from eagle_lab.draft import Drafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.sampling import SamplingParams, next_token
 from eagle_lab.target import Target
+from eagle_lab.tree import DraftTree
 from eagle_lab.verify import verify
 
 
@@ -28,6 +29,8 @@ class GenerationStats:
     rounds: int = 0  # verification rounds
     accepted_draft_tokens: int = 0
     tree_tokens: int = 0  # draft tokens scored by the target
+    accepted_ngram_tokens: int = 0  # accepted draft tokens that only an n-gram chain proposed
+    ngram_tree_tokens: int = 0  # draft tokens an n-gram chain added to the trees (scored too)
     reached_depth: list[int] = field(default_factory=list)  # rounds whose tree reached depth d (index d-1)
     accepted_depth: list[int] = field(default_factory=list)  # rounds that accepted >= d drafts
     stop_reason: str = ""
@@ -38,7 +41,13 @@ class GenerationStats:
         """tau: tokens emitted per target forward, bonus token included."""
         return self.new_tokens / max(self.target_forwards, 1)
 
-    def record_round(self, tree_depth: int, accepted: int, tree_tokens: int) -> None:
+    @property
+    def ngram_share(self) -> float:
+        """Share of accepted draft tokens (bonus tokens excluded) that came from n-gram branches."""
+        return self.accepted_ngram_tokens / self.accepted_draft_tokens if self.accepted_draft_tokens else 0.0
+
+    def record_round(self, tree_depth: int, accepted: int, tree_tokens: int, accepted_ngram: int = 0,
+                     ngram_tokens: int = 0) -> None:
         for counts, upto in ((self.reached_depth, tree_depth), (self.accepted_depth, accepted)):
             counts.extend([0] * (upto - len(counts)))
             for d in range(upto):
@@ -46,6 +55,8 @@ class GenerationStats:
         self.rounds += 1
         self.accepted_draft_tokens += accepted
         self.tree_tokens += tree_tokens
+        self.accepted_ngram_tokens += accepted_ngram
+        self.ngram_tree_tokens += ngram_tokens
 
 
 @dataclass
@@ -152,13 +163,20 @@ def speculative_decode(
         keep_accepted(cache, past, accepted)
         new_features = _head_features(out)[0, accepted]  # [L + 1, F]
         new_tokens = tree.tokens[accepted[1:]].tolist() + [bonus]
-        stats.record_round(tree.max_depth, accepted.numel() - 1, tree.size - 1)
+        stats.record_round(tree.max_depth, accepted.numel() - 1, tree.size - 1, *_ngram_counts(tree, accepted))
         emitted, reason = stopper.accept(new_tokens)
         stats.new_tokens += len(emitted)
         yield emitted
         sequence = torch.cat([sequence, torch.tensor(new_tokens, device=sequence.device)])
     stats.stop_reason, stats.wall_s = reason, time.perf_counter() - start
     return stats
+
+
+def _ngram_counts(tree: DraftTree, accepted: torch.Tensor) -> tuple[int, int]:
+    """(accepted nodes an n-gram chain added, nodes it added) in this round's tree."""
+    if tree.from_ngram is None:
+        return 0, 0
+    return int(tree.from_ngram[accepted[1:]].sum()), int(tree.from_ngram.sum())
 
 
 def _head_features(out) -> torch.Tensor:

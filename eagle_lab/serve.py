@@ -8,10 +8,11 @@ import sys
 
 from omegaconf import DictConfig
 
-from eagle_lab.builders import build_decoder, build_drafter, build_head, make_generator
+from eagle_lab.builders import build_decoder, build_drafter, build_head, make_generator, ngram_proposer
 from eagle_lab.config import ServeConfig, to_object
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper
+from eagle_lab.ngram import NgramDrafter
 from eagle_lab.prompts import as_tensor, encode_prompt, read_prompts_file
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import load_target
@@ -64,11 +65,23 @@ def validate(cfg: ServeConfig) -> SamplingParams:
         raise EagleLabError(f"output must be text or json, got '{cfg.output}'")
     if cfg.mode not in ("generate", "bench"):
         raise EagleLabError(f"mode must be generate or bench, got '{cfg.mode}'")
-    if cfg.method not in ("eagle", "vanilla"):
-        raise EagleLabError(f"method must be eagle or vanilla, got '{cfg.method}'")
+    if cfg.method not in ("eagle", "vanilla", "ngram"):
+        raise EagleLabError(f"method must be eagle, vanilla or ngram, got '{cfg.method}'")
     if cfg.max_new_tokens < 1:
         raise EagleLabError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    ngram_proposer(cfg.ngram)  # checks ngram.* before any work
     return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+
+
+def make_drafter(cfg: ServeConfig, target):
+    """method=eagle: the head's tree (plus n-gram branches when ngram.enabled); method=ngram: n-gram
+    drafting alone, no head; method=vanilla: none."""
+    if cfg.method == "eagle":
+        proposer = ngram_proposer(cfg.ngram) if cfg.ngram.enabled else None
+        return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer)
+    if cfg.method == "ngram":
+        return NgramDrafter(ngram_proposer(cfg.ngram))
+    return None
 
 
 def run(raw: DictConfig) -> None:
@@ -82,7 +95,7 @@ def run(raw: DictConfig) -> None:
     prompts = gather_prompts(cfg)
     target = load_target(cfg.target)
     encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]  # checked before any work
-    drafter = build_drafter(build_head(cfg.head, target), target, cfg.tree) if cfg.method == "eagle" else None
+    drafter = make_drafter(cfg, target)
     eos = set() if cfg.ignore_eos else target.eos_token_ids
     for index, ids in enumerate(encoded):
         generator = make_generator(cfg.seed, target.device)
@@ -105,10 +118,13 @@ def run(raw: DictConfig) -> None:
                 "accept_length": round(stats.accept_length, 4), "wall_s": round(stats.wall_s, 4),
                 "tokens_per_s": round(stats.new_tokens / max(stats.wall_s, 1e-9), 3),
                 "stop_reason": stats.stop_reason, "prompt_tokens": len(ids),
+                "accepted_draft_tokens": stats.accepted_draft_tokens,
+                "accepted_ngram_tokens": stats.accepted_ngram_tokens,
             }), flush=True)
-        log.info("prompt %d: %d tokens in %.2fs (%.2f tok/s), %d target forwards, tau %.2f, stop=%s", index,
+        log.info("prompt %d: %d tokens in %.2fs (%.2f tok/s), %d target forwards, tau %.2f, stop=%s%s", index,
                  stats.new_tokens, stats.wall_s, stats.new_tokens / max(stats.wall_s, 1e-9),
-                 stats.target_forwards, stats.accept_length, stats.stop_reason)
+                 stats.target_forwards, stats.accept_length, stats.stop_reason,
+                 f", n-gram share of accepted drafts {stats.ngram_share:.2f}" if stats.ngram_tree_tokens else "")
 
 
 class _NullOut:

@@ -20,6 +20,7 @@ class DraftTree:
     parents: torch.Tensor  # [N] parent node index, -1 for the root
     depths: torch.Tensor  # [N]
     mask: torch.Tensor  # [N, N] bool ancestor-or-self
+    from_ngram: torch.Tensor | None = None  # [N] bool: nodes only an n-gram chain proposed (None: none)
 
     @property
     def size(self) -> int:

@@ -17,6 +17,17 @@ same loop with the head switched off), not by a model. The per-round overhead of
 two timed shapes, the recording's and a small probe.
 The result is cached per target, head, device and dtype. Fixed `tree.depth/topk/total_tokens`
 values (non-zero) are kept; only the free ones are searched.
+
+Hybrid drafting (the drafter has an n-gram proposer): the recording also keeps, for every
+round, the chain the proposer copies from the committed sequence, and the proposer's time.
+Replay merges the first L chain tokens into each candidate tree as the drafter would: the
+round accepts the longer of the tree's and the chain's agreement with the output, and
+scores the tree's tokens plus the chain tokens the tree did not already hold, which the
+cost model charges round by round (target(K + 1) with the extra tokens in K, the overhead
+slope on them, plus the proposer's time). The search covers chain lengths L up to
+`ngram.max_tokens`, L = 0 (n-gram off), and "n-gram only": no head run, the root plus the
+chain, priced as target(K + 1) + overhead, or as the measured no-draft round when the chain
+is empty. So a target without a useful head can still speculate where copying pays.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -34,11 +45,13 @@ import torch
 from eagle_lab.draft import Candidates, EagleDrafter, TreeShape
 from eagle_lab.embedded import cache_root
 from eagle_lab.generate import Stopper, speculative_decode
+from eagle_lab.ngram import NgramProposer
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import Target
 
 log = logging.getLogger(__name__)
 K_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+NGRAM_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # chain lengths searched, up to ngram.max_tokens
 CALIBRATION_PROMPTS = (
     "Explain how a hash table works, with an example in Python.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -66,6 +79,7 @@ class CostModel:
     overhead_ms: float  # per tree round, outside the two models (verification, bookkeeping)...
     overhead_per_token_ms: float = 0.0  # ... plus this much per scored draft token
     plain_ms: float = 0.0  # measured: one round of the no-draft path (one token); 0 = not measured
+    ngram_ms: float = 0.0  # measured: proposing one n-gram chain (hybrid drafting only)
 
     def target(self, k: int) -> float:
         keys = sorted(self.target_ms)
@@ -78,20 +92,29 @@ class CostModel:
         lo, hi = keys[-2], keys[-1]  # extrapolate linearly past the grid
         return self.target_ms[hi] + (k - hi) * (self.target_ms[hi] - self.target_ms[lo]) / (hi - lo)
 
-    def round_ms(self, shape: TreeShape) -> float:
-        if shape.depth == 0:  # no draft: one token per round, the head is not run at all
-            return self.plain_ms if self.plain_ms > 0 else self.target(1)
-        return self.model_ms(shape) + self.overhead_ms + self.overhead_per_token_ms * shape.total_tokens
+    def round_ms(self, shape: TreeShape, extra: int = 0, ngram: bool = False) -> float:
+        """One round of `shape` that also scores `extra` n-gram tokens (ngram: a chain was proposed)."""
+        propose = self.ngram_ms if ngram else 0.0
+        if shape.depth == 0 and extra == 0:  # no draft: one token per round, the head is not run at all
+            return (self.plain_ms if self.plain_ms > 0 else self.target(1)) + propose
+        scored = shape.total_tokens + extra
+        return self.model_ms(shape, extra) + self.overhead_ms + self.overhead_per_token_ms * scored + propose
 
-    def model_ms(self, shape: TreeShape) -> float:
-        """The two models' share of a tree round: scoring total_tokens + 1, drafting depth levels."""
-        level = self.level_ms.get(shape.topk) or max(self.level_ms.values())
-        return self.target(shape.total_tokens + 1) + self.first_level_ms + (shape.depth - 1) * level
+    def model_ms(self, shape: TreeShape, extra: int = 0) -> float:
+        """The two models' share of a tree round: scoring total_tokens + extra + 1, drafting depth levels
+        (none at depth 0: an n-gram-only round does not run the head)."""
+        draft = 0.0
+        if shape.depth > 0:
+            level = self.level_ms.get(shape.topk) or max(self.level_ms.values())
+            draft = self.first_level_ms + (shape.depth - 1) * level
+        return self.target(shape.total_tokens + extra + 1) + draft
 
 
 @dataclass
 class Recording:
     rounds: list[tuple[Candidates, list[int]]]  # candidates, then the output tokens after the root
+    chains: list[list[int]] | None = None  # per round: the n-gram chain proposed (hybrid drafting only)
+    ngram_ms: float = 0.0  # median time to propose one chain
 
 
 def _timed(fn, reps: int = 3) -> float:
@@ -186,16 +209,22 @@ def timed_rounds(target: Target, drafter: EagleDrafter, prompts: list[list[int]]
     return statistics.median(round_ms) if round_ms else 0.0
 
 
-def record(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int):
-    """Greedy runs with a large tree; returns (Recording, measured ms per round)."""
+def record(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
+           ngram: NgramProposer | None = None):
+    """Greedy runs with a large tree; returns (Recording, measured ms per round).
+    ngram: also record the chain it proposes each round (not merged: the timing stays the tree's)."""
     rounds: list[tuple[Candidates, int, int]] = []
-    outputs, round_ms = [], []
+    outputs, round_ms, chains, propose_ms = [], [], [], []
     original_draft = drafter.draft
 
     def recording_draft(sequence, new_features, max_depth):
         tree = original_draft(sequence, new_features, max_depth)
         if drafter.last_candidates is not None and tree.size > 1:
             rounds.append((drafter.last_candidates, len(outputs), int(sequence.numel())))
+            if ngram is not None:
+                start = time.perf_counter()
+                chains.append(ngram.propose(sequence))
+                propose_ms.append(1000 * (time.perf_counter() - start))
         return tree
 
     drafter.draft = recording_draft
@@ -217,49 +246,117 @@ def record(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_
         prompt_len, tokens = outputs[prompt_index]
         after_root = tokens[seq_len - prompt_len:]  # greedy continuation after the root
         replay.append((cands, after_root))
-    return Recording(replay), statistics.median(round_ms) if round_ms else 0.0
+    recording = Recording(replay, chains if ngram is not None else None,
+                          statistics.median(propose_ms) if propose_ms else 0.0)
+    return recording, statistics.median(round_ms) if round_ms else 0.0
+
+
+class ReplayTree:
+    """The sub-tree a shape keeps of one round's recorded candidates (as the drafter selects it)."""
+
+    def __init__(self, cands: Candidates, shape: TreeShape):
+        scores, parents = cands.scores.tolist(), cands.parents.tolist()
+        self.tokens = cands.tokens.tolist()
+        self.children: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            self.children.setdefault(p, []).append(i)  # best first within each parent
+        available = self.children.get(-1, [])[: shape.topk] if shape.depth else []
+        frontier, kept = available, list(available)
+        for _ in range(1, shape.depth):
+            frontier = sorted(frontier, key=lambda i: -scores[i])[: shape.topk]
+            level = [c for f in frontier for c in self.children.get(f, [])[: shape.topk]]
+            kept += level
+            frontier = level
+        self.chosen = set(sorted(kept, key=lambda i: (-scores[i], i))[: shape.total_tokens])
+
+    def follow(self, tokens: list[int]) -> int:
+        """How many of `tokens` a walk down the kept tree from the root matches."""
+        node, matched = -1, 0
+        for token in tokens:
+            nxt = [c for c in self.children.get(node, []) if c in self.chosen and self.tokens[c] == token]
+            if not nxt:
+                break
+            node, matched = nxt[0], matched + 1
+        return matched
 
 
 def simulate_accept(cands: Candidates, after_root: list[int], shape: TreeShape) -> int:
     """Draft tokens a tree of `shape` would accept in this recorded round (greedy)."""
-    scores, parents, tokens = cands.scores.tolist(), cands.parents.tolist(), cands.tokens.tolist()
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parents):
-        children.setdefault(p, []).append(i)  # best first within each parent
-    available = children.get(-1, [])[: shape.topk]
-    frontier, kept = available, list(available)
-    for _ in range(1, shape.depth):
-        frontier = sorted(frontier, key=lambda i: -scores[i])[: shape.topk]
-        level = [c for f in frontier for c in children.get(f, [])[: shape.topk]]
-        kept += level
-        frontier = level
-    chosen = set(sorted(kept, key=lambda i: (-scores[i], i))[: shape.total_tokens])
-    node, accepted = -1, 0
-    for token in after_root:
-        nxt = [c for c in children.get(node, []) if c in chosen and tokens[c] == token]
-        if not nxt:
+    return ReplayTree(cands, shape).follow(after_root)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
             break
-        node, accepted = nxt[0], accepted + 1
-    return accepted
+        count += 1
+    return count
 
 
-def replay_all(recording: Recording, search: TreeSearchConfig) -> list[dict]:
+def simulate_hybrid(tree: ReplayTree, after_root: list[int], chain: list[int]) -> tuple[int, int]:
+    """(accepted draft tokens, n-gram tokens added) when `chain` is merged into the kept tree.
+
+    The merged tree's root paths are the tree's plus the chain's prefixes, so greedy
+    verification accepts the longer of the two agreements with the output; the chain adds
+    the tokens after its deepest agreement with the tree (merge_chain).
+    """
+    accepted = max(tree.follow(after_root), common_prefix(chain, after_root))
+    return accepted, len(chain) - tree.follow(chain)
+
+
+def ngram_lengths(proposer: NgramProposer | None) -> list[int]:
+    """Chain lengths tree=auto searches for this proposer (none without one)."""
+    if proposer is None:
+        return []
+    return sorted({n for n in NGRAM_TOKENS if n < proposer.max_tokens} | {proposer.max_tokens})
+
+
+def replay_all(recording: Recording, search: TreeSearchConfig, lengths: list[int] = ()) -> list[dict]:
     """Accept length (tau, bonus included) of every grid shape on the recorded rounds.
-    Shape (0, 0, 0) is "do not draft": chosen when no tree pays for itself here."""
-    rows = [{"shape": asdict(TreeShape(0, 0, 0)), "tau": 1.0}]
+    Shape (0, 0, 0) is "do not draft": chosen when no tree pays for itself here.
+
+    lengths: n-gram chain lengths to merge (hybrid drafting; needs recording.chains). Each
+    shape then also gets one row per length L, with "ngram_tokens": L and "extra": how many
+    rounds added how many chain tokens ({added: rounds}); depth 0 with L > 0 is n-gram alone.
+    """
+    shapes = [TreeShape(0, 0, 0)]
     for depth in search.depths:
         for topk in search.topks:
             for total in search.totals:
                 if total > topk * depth or total < min(depth, topk):
                     continue
-                shape = TreeShape(depth, topk, total)
-                accepted = [simulate_accept(c, out, shape) for c, out in recording.rounds]
-                rows.append({"shape": asdict(shape), "tau": 1 + sum(accepted) / max(len(accepted), 1)})
+                shapes.append(TreeShape(depth, topk, total))
+    rows = []
+    for shape in shapes:
+        trees = [ReplayTree(c, shape) for c, _ in recording.rounds]
+        accepted = [tree.follow(out) for tree, (_, out) in zip(trees, recording.rounds)]
+        rows.append({"shape": asdict(shape), "tau": 1 + sum(accepted) / max(len(accepted), 1)})
+        for length in lengths:
+            extra: dict[str, int] = {}
+            accepted = []
+            for tree, (_, out), chain in zip(trees, recording.rounds, recording.chains):
+                count, added = simulate_hybrid(tree, out, chain[:length])
+                accepted.append(count)
+                extra[str(added)] = extra.get(str(added), 0) + 1
+            rows.append({"shape": asdict(shape), "ngram_tokens": length,
+                         "tau": 1 + sum(accepted) / max(len(accepted), 1), "extra": extra})
     return rows
 
 
+def row_ms(row: dict, costs: CostModel) -> float:
+    """Mean ms per round of a replayed row: with n-gram branches, priced round by round by the
+    tokens the chain added (a round pays for every token it scores)."""
+    shape = TreeShape(**row["shape"])
+    if not row.get("ngram_tokens"):
+        return costs.round_ms(shape)
+    extra = {int(k): v for k, v in row["extra"].items()}
+    return sum(v * costs.round_ms(shape, k, ngram=True) for k, v in extra.items()) / max(sum(extra.values()), 1)
+
+
 def choose(shapes: list[dict], costs: CostModel, fixed: TreeShape) -> tuple[TreeShape, list[dict]]:
-    """The fastest shape among those matching the fixed (non-zero) fields."""
+    """The fastest shape among those matching the fixed (non-zero) fields (ranked[0] also says the
+    n-gram chain length chosen, "ngram_tokens", when the rows were replayed with chains)."""
     ranked = []
     for row in shapes:
         shape = TreeShape(**row["shape"])
@@ -268,7 +365,7 @@ def choose(shapes: list[dict], costs: CostModel, fixed: TreeShape) -> tuple[Tree
         if (fixed.depth and shape.depth != fixed.depth) or (fixed.topk and shape.topk != fixed.topk) or (
                 fixed.total_tokens and shape.total_tokens != fixed.total_tokens):
             continue
-        round_ms = costs.round_ms(shape)
+        round_ms = row_ms(row, costs)
         ranked.append({**row, "round_ms": round_ms, "tokens_per_s": 1000 * row["tau"] / round_ms})
     if not ranked:
         raise ValueError(f"no searched tree shape matches the fixed values {fixed}")
@@ -276,24 +373,30 @@ def choose(shapes: list[dict], costs: CostModel, fixed: TreeShape) -> tuple[Tree
     return TreeShape(**ranked[0]["shape"]), ranked
 
 
-def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig) -> str:
+def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig,
+                 ngram: NgramProposer | None = None) -> str:
     head = drafter.head
     weights = float(sum(p.detach().float().abs().sum() for p in head.parameters()))
-    blob = json.dumps({"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
-                       "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search)},
-                      sort_keys=True, default=str)
+    fields = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
+              "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search)}
+    if ngram is not None:  # only then: summaries cached without n-gram stay valid
+        fields["ngram"] = {**asdict(ngram), "lengths": ngram_lengths(ngram)}
+    blob = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
-def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], search: TreeSearchConfig) -> dict:
-    """Measure costs and record acceptance; returns the cacheable summary."""
+def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], search: TreeSearchConfig,
+              ngram: NgramProposer | None = None) -> dict:
+    """Measure costs and record acceptance; returns the cacheable summary.
+    The drafter must have no n-gram proposer attached (every timing is of the head's trees);
+    ngram: record its chains and replay them too."""
     target_ms = measure_target_costs(target, search.context)
     first_ms, level_ms = measure_draft_costs(drafter, target, search.topks, search.context)
     saved = drafter.shape
     big, small = TreeShape(*search.record_shape), TreeShape(*search.probe_shape)
     drafter.shape = big
     try:
-        recording, big_ms = record(target, drafter, prompts, search.new_tokens)
+        recording, big_ms = record(target, drafter, prompts, search.new_tokens, ngram)
     finally:
         drafter.shape = saved
     small_ms = timed_rounds(target, drafter, prompts, search.new_tokens, small)
@@ -303,21 +406,27 @@ def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], s
     extra_big, extra_small = big_ms - models.model_ms(big), small_ms - models.model_ms(small)
     slope = max((extra_big - extra_small) / max(big.total_tokens - small.total_tokens, 1), 0.0)
     intercept = max(extra_small - slope * small.total_tokens, 0.0)
-    costs = CostModel(target_ms, level_ms, first_ms, intercept, slope, plain_ms)
-    return {"cost_model": asdict(costs), "rounds": len(recording.rounds), "shapes": replay_all(recording, search),
+    costs = CostModel(target_ms, level_ms, first_ms, intercept, slope, plain_ms, recording.ngram_ms)
+    return {"cost_model": asdict(costs), "rounds": len(recording.rounds),
+            "shapes": replay_all(recording, search, ngram_lengths(ngram)),
             "measured_round_ms": {"record": big_ms, "probe": small_ms, "no_draft": plain_ms}}
 
 
 def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
               search: TreeSearchConfig | None = None, cache_dir: Path | None = None) -> TreeShape:
     """The fastest shape for this target, head and device (measured once, cached); sets it
-    on the drafter. fixed: non-zero fields are kept as given."""
+    on the drafter. fixed: non-zero fields are kept as given.
+
+    With an n-gram proposer on the drafter (hybrid drafting), its chain length is chosen too
+    (up to its max_tokens): the drafter's proposer is replaced by one with the chosen length,
+    or removed when merging chains does not pay."""
     search = search or TreeSearchConfig()
     for name, values in (("depth", search.depths), ("topk", search.topks), ("total_tokens", search.totals)):
         if getattr(fixed, name) and getattr(fixed, name) not in values:
             values.append(getattr(fixed, name))
     cache_dir = cache_dir or cache_root() / "tree_auto"
-    path = cache_dir / f"{target.name}-{_fingerprint(target, drafter, search)}.json"
+    ngram = drafter.ngram
+    path = cache_dir / f"{target.name}-{_fingerprint(target, drafter, search, ngram)}.json"
     if path.is_file():
         summary = json.loads(path.read_text())
     else:
@@ -326,18 +435,28 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
             from eagle_lab.prompts import encode_prompt
 
             prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in CALIBRATION_PROMPTS]
-        summary = calibrate(target, drafter, prompts, search)
+        drafter.ngram = None  # calibrate times the head's trees alone; chains are recorded beside them
+        try:
+            summary = calibrate(target, drafter, prompts, search, ngram)
+        finally:
+            drafter.ngram = ngram
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2))
     cm = summary["cost_model"]
     costs = CostModel({int(k): v for k, v in cm["target_ms"].items()}, {int(k): v for k, v in cm["level_ms"].items()},
-                      cm["first_level_ms"], cm["overhead_ms"], cm["overhead_per_token_ms"], cm["plain_ms"])
+                      cm["first_level_ms"], cm["overhead_ms"], cm["overhead_per_token_ms"], cm["plain_ms"],
+                      cm.get("ngram_ms", 0.0))
     chosen, ranked = choose(summary["shapes"], costs, fixed)
     no_draft = 1000 / costs.round_ms(TreeShape(0, 0, 0))
-    log.info("tree=auto chose depth=%d topk=%d total_tokens=%d: predicted tau %.2f, %.1f tok/s vs %.1f tok/s "
+    chain = int(ranked[0].get("ngram_tokens", 0))
+    log.info("tree=auto chose depth=%d topk=%d total_tokens=%d%s: predicted tau %.2f, %.1f tok/s vs %.1f tok/s "
              "measured without drafting (costs: %s)", chosen.depth, chosen.topk, chosen.total_tokens,
+             f" + n-gram chains of {chain} tokens" if chain else " (no n-gram branches)" if ngram else "",
              ranked[0]["tau"], ranked[0]["tokens_per_s"], no_draft, path)
-    if chosen.depth == 0:
+    drafter.ngram = replace(ngram, max_tokens=chain) if ngram is not None and chain else None
+    if chosen.depth == 0 and chain:
+        log.info("tree=auto: n-gram drafting alone (no head run) is fastest here")
+    elif chosen.depth == 0:
         log.warning("tree=auto: with this head no draft tree pays for itself on %s; decoding without drafts "
                     "(train a better head, or set tree.depth/topk/total_tokens to force one)", target.device)
     drafter.shape = chosen

@@ -28,6 +28,20 @@ proposed; the draft only decides how often the answer comes from a candidate (ch
 than the final draw. Because the target's logits at a child are computed with the
 child's token in context (tree attention), descending repeats the argument one position
 later, so whole sequences follow the target's distribution.
+
+N-gram nodes (hybrid drafting, eagle_lab/ngram.py) go through the same rule, unchanged.
+The proof above used only two facts about the children of a node: (a) they are fixed
+before any of this node's uniforms are drawn, i.e. a deterministic function of the
+context (committed tokens and the accepted path to the node), and (b) their tokens are
+distinct. An n-gram chain is copied from the committed sequence before the round starts,
+so each of its tokens is a point-mass proposal q = delta(c) exactly like a top-k child:
+(a) holds. merge_chain descends into a child that already holds the chain's token instead
+of adding a second one, so (b) holds. Where the chain's node sits in the sibling order
+(after the head's children) does not matter: any fixed order samples x ~ p. The tempting
+shortcut for a "certain" proposal, accepting c with min(1, p(c) / q(c)) = p(c) as if it
+were the only candidate, is wrong once a sibling was rejected: the residual r then has
+mass sum(r) < 1 and c must be accepted with r(c) / sum(r); p(c) under-emits c by the
+factor sum(r) (tests/test_sampling_lossless.py shows the chi-square test rejecting it).
 """
 
 from __future__ import annotations

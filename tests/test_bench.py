@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from eagle_lab.bench import METHODS, acceptance_by_depth, cut_hf_output, run_bench
+from eagle_lab.bench import METHODS, acceptance_by_depth, cut_hf_output, ngram_share, run_bench
 from eagle_lab.bench_data import load_bench_prompts
-from eagle_lab.config import BenchConfig, HeadConfig, ServeConfig, TreeConfig
+from eagle_lab.config import BenchConfig, HeadConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats
 from eagle_lab.target import TargetConfig
@@ -20,7 +20,7 @@ PROMPTS = ["Tell me about the sea.", "def add(a, b):", "Count: one two three fou
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
-    """One in-process bench run: all four methods at T=0 and T=1 on three prompts."""
+    """One in-process bench run: all six methods at T=0 and T=1 on three prompts."""
     tmp = tmp_path_factory.mktemp("bench")
     prompts_file = tmp / "prompts.jsonl"
     prompts_file.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n", encoding="utf-8")
@@ -30,6 +30,7 @@ def bench_run(tmp_path_factory):
         tree=TreeConfig(auto=False, depth=4, topk=4, total_tokens=12),  # a fixed tree: eagle must draft here
         bench=BenchConfig(dataset=str(prompts_file), limit=0, methods=list(METHODS), temperatures=[0.0, 1.0],
                           warmup=1),
+        ngram=NgramConfig(min_match=1, max_match=3, max_tokens=4),
         mode="bench",
         max_new_tokens=12,
         ignore_eos=True,
@@ -51,7 +52,9 @@ def test_bench_writes_results(bench_run, capsys):
     config = saved["config"]
     assert config["target"] == "tiny_llama" and config["head"] == "random" and config["device"] == "cpu"
     assert config["tree"] == {"depth": 4, "topk": 4, "total_tokens": 12}  # the shape actually used
-    assert config["torch"] and config["transformers"] and config["num_prompts"] == 3
+    assert config["torch"] and config["transformers"] and config["num_prompts"] == len(PROMPTS)
+    assert config["ngram"]["max_tokens"] == 4
+    assert config["hybrid"] == {"tree": {"depth": 4, "topk": 4, "total_tokens": 12}, "ngram_tokens": 4}
     assert set(saved["summary"]) == {"0.0", "1.0"}
     for temperature, methods in saved["summary"].items():
         assert list(methods) == list(METHODS)
@@ -59,8 +62,8 @@ def test_bench_writes_results(bench_run, capsys):
             if method == "hf_prompt_lookup" and temperature == "1.0":
                 assert row["status"] == "skipped" and "greedy only" in row["note"]
                 continue
-            assert row["status"] == "ok" and row["prompts"] == 3
-            assert row["new_tokens"] == 3 * 12  # ignore_eos: every prompt runs to max_new_tokens
+            assert row["status"] == "ok" and row["prompts"] == len(PROMPTS)
+            assert row["new_tokens"] == len(PROMPTS) * 12  # ignore_eos: every prompt runs to max_new_tokens
             assert row["tokens_per_s"] > 0 and row["mean_wall_s"] > 0 and row["speedup"] > 0
             assert row["tau"] >= 1.0 - 1e-9
     greedy = saved["summary"]["0.0"]
@@ -72,12 +75,20 @@ def test_bench_writes_results(bench_run, capsys):
         rows = saved["summary"][temperature]["eagle"]["acceptance_by_depth"]
         assert rows and rows[0]["depth"] == 1 and rows[0]["reached"] > 0
         assert all(0 <= r["accepted"] <= r["reached"] for r in rows)
-    # per-prompt records: 3 prompts x (4 methods at T=0 + 3 at T=1)
-    assert len(saved["records"]) == 3 * 7
+    for temperature in ("0.0", "1.0"):
+        rows = saved["summary"][temperature]
+        assert rows["eagle"]["ngram_share"] in (0.0, None)  # eagle alone never merges n-gram branches
+        assert rows["ngram"]["ngram_share"] in (1.0, None)  # n-gram alone: every accepted draft is a copy
+        assert rows["vanilla"]["ngram_share"] is None and rows["hf_greedy"]["ngram_share"] is None
+        share = rows["eagle+ngram"]["ngram_share"]
+        assert share is None or 0.0 <= share <= 1.0
+    # per-prompt records: 3 prompts x (6 methods at T=0 + 5 at T=1)
+    assert len(saved["records"]) == len(PROMPTS) * 11
     assert all(len(r["token_ids"]) == 12 for r in saved["records"])
     assert all(r["matches_vanilla"] for r in saved["records"] if r["temperature"] == 0.0)
     table = (out / "results.md").read_text(encoding="utf-8")
     assert "| 0.0 | eagle |" in table and "| 1.0 | hf_prompt_lookup |" in table and "d=1" in table
+    assert "| 0.0 | eagle+ngram |" in table and "| 1.0 | ngram |" in table and "n-gram share" in table
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -86,6 +97,21 @@ def test_bench_refuses_bad_methods(tmp_path):
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "medusa"]))
     with pytest.raises(EagleLabError, match="medusa"):
         run_bench(cfg, out_dir=tmp_path)
+
+
+def test_bench_refuses_bad_ngram_settings(tmp_path):
+    cfg = ServeConfig(target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
+                      ngram=NgramConfig(min_match=3, max_match=2),
+                      bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "ngram"]))
+    with pytest.raises(EagleLabError, match="max_match"):
+        run_bench(cfg, out_dir=tmp_path)
+
+
+def test_ngram_share_sums_over_prompts():
+    a = GenerationStats(accepted_draft_tokens=6, accepted_ngram_tokens=3)
+    b = GenerationStats(accepted_draft_tokens=2, accepted_ngram_tokens=0)
+    assert ngram_share([a, b]) == pytest.approx(3 / 8) and a.ngram_share == 0.5
+    assert ngram_share([GenerationStats()]) is None and GenerationStats().ngram_share == 0.0
 
 
 def test_acceptance_by_depth_sums_over_prompts():

@@ -6,8 +6,9 @@ import torch
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.head import new_head
+from eagle_lab.ngram import NgramDrafter, NgramProposer
 from eagle_lab.sampling import SamplingParams
-from tests.conftest import OracleDrafter
+from tests.conftest import OracleDrafter, small_vocab_target
 
 GREEDY = SamplingParams()
 
@@ -129,3 +130,67 @@ def test_drafting_off_skips_the_head_and_matches(tiny_llama):
     plain, spec = run_both(tiny_llama, drafter, prompts(1)[0], new_tokens=20)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.target_forwards == plain.stats.target_forwards and drafter.committed == 0
+
+
+# ---- hybrid drafting: n-gram branches merged into the tree ------------------------------------
+
+def repetitive_prompts(count: int, vocab: int, length: int = 10):
+    """Prompts that repeat themselves (a block, then the block again), as code and rewrites do."""
+    g = torch.Generator().manual_seed(99)
+    return [torch.randint(0, vocab, (length + i,), generator=g).repeat(2) for i in range(count)]
+
+
+def test_hybrid_random_head_matches_plain(tiny_target):
+    """Random head + n-gram branches on the byte-vocabulary targets, prompts with repetition."""
+    drafter = EagleDrafter(new_head(tiny_target, seed=1), tiny_target, TreeShape(depth=4, topk=3, total_tokens=10),
+                           ngram=NgramProposer(min_match=1, max_match=3, max_tokens=6))
+    for prompt in repetitive_prompts(2, 256) + prompts(1):
+        plain, spec = run_both(tiny_target, drafter, prompt)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.ngram_tree_tokens > 0  # chains were proposed and scored
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def looping_target(request):
+    """A small-vocabulary target of each family: its greedy output repeats, as real text often does."""
+    return small_vocab_target(vocab_size=8, seed=0, family=request.param)
+
+
+def test_hybrid_accepts_ngram_tokens_and_matches(looping_target):
+    drafter = EagleDrafter(new_head(looping_target, seed=1), looping_target, TreeShape(depth=3, topk=2, total_tokens=5),
+                           ngram=NgramProposer(min_match=2, max_match=4, max_tokens=6))
+    accepted_ngram = 0
+    for prompt in repetitive_prompts(3, 8):
+        plain, spec = run_both(looping_target, drafter, prompt)
+        assert spec.token_ids == plain.token_ids
+        accepted_ngram += spec.stats.accepted_ngram_tokens
+        assert spec.stats.accepted_ngram_tokens <= spec.stats.accepted_draft_tokens
+    assert accepted_ngram > 0  # the n-gram branches were really taken, not just scored
+
+
+def test_ngram_alone_matches_and_skips_the_head(looping_target):
+    """method=ngram (no head at all), and tree=auto's "n-gram only" (the head's drafting off)."""
+    proposer = NgramProposer(min_match=2, max_match=4, max_tokens=6)
+    head_off = EagleDrafter(new_head(looping_target, seed=1), looping_target, TreeShape(0, 0, 0), ngram=proposer)
+    for drafter in (NgramDrafter(proposer), head_off):
+        accepted = 0
+        for prompt in repetitive_prompts(3, 8):
+            plain, spec = run_both(looping_target, drafter, prompt)
+            assert spec.token_ids == plain.token_ids
+            assert spec.stats.accepted_ngram_tokens == spec.stats.accepted_draft_tokens  # every draft is a copy
+            accepted += spec.stats.accepted_draft_tokens
+        assert accepted > 0
+    assert head_off.committed == 0  # the head never ran
+
+
+def test_ngram_chain_respects_the_context_limit(tiny_llama):
+    limit_before = tiny_llama.max_context
+    tiny_llama.max_context = 40
+    try:
+        prompt = torch.arange(10, 25).repeat(2)  # 30 tokens: chains are proposed up to the end
+        drafter = NgramDrafter(NgramProposer(min_match=1, max_match=3, max_tokens=8))
+        plain, spec = run_both(tiny_llama, drafter, prompt, new_tokens=100)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.stop_reason == plain.stats.stop_reason == "context"
+    finally:
+        tiny_llama.max_context = limit_before

@@ -11,6 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from eagle_lab.generate import Stopper, generate, speculative_decode
+from eagle_lab.ngram import NgramDrafter, NgramProposer, merge_chain
 from eagle_lab.sampling import SamplingParams, target_probs
 from eagle_lab.tree import build_tree
 from eagle_lab.verify import verify_sampling
@@ -167,3 +168,141 @@ def test_eagle_drafter_sampling_matches_target():
         accepted_any += result.stats.accepted_draft_tokens > 0
     assert 0.1 * samples < accepted_any < samples
     assert chi_square_pvalue(counts, exact_sequence_probs(target, prompt, params, length), samples) > ALPHA
+
+
+# ---- hybrid drafting: trees with n-gram branches ----------------------------------------------
+
+def ngram_tree_case(vocab=6, seed=0):
+    """The fixed tree above (minus one leaf) with two n-gram chains merged in: one under the root
+    (4 -> 2), one agreeing with node 1 and then hanging 4 -> 3 under it, after the head's children."""
+    g = torch.Generator().manual_seed(seed)
+    base = build_tree(torch.tensor([5, 1, 3, 0, 2]), torch.tensor([-1, 0, 0, 1, 1]))
+    tree = merge_chain(merge_chain(base, [4, 2]), [1, 4, 3])
+    assert tree.tokens.tolist() == [5, 1, 3, 0, 2, 4, 2, 4, 3]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 0, 5, 1, 7]
+    probs = torch.distributions.Dirichlet(torch.full((vocab,), 0.8)).sample((tree.size,))  # [N, V]
+    del g
+    return tree, probs
+
+
+def exact_round(tree, probs):
+    """P(tokens emitted in one round): draw x ~ p at the node; descend if a child holds x, else stop."""
+    children: dict[int, dict[int, int]] = {}
+    for child in range(1, tree.size):
+        children.setdefault(int(tree.parents[child]), {})[int(tree.tokens[child])] = child
+    expected = {}
+
+    def walk(node, prefix, prob):
+        for token in range(probs.shape[1]):
+            p = prob * float(probs[node, token])
+            if token in children.get(node, {}):
+                walk(children[node][token], prefix + (token,), p)
+            else:
+                expected[prefix + (token,)] = p
+
+    walk(0, (), 1.0)
+    return expected
+
+
+def sample_rounds(rule, tree, probs, samples, seed):
+    g = torch.Generator().manual_seed(seed)
+    counts = {}
+    for _ in range(samples):
+        accepted, bonus = rule(tree, lambda node: probs[node], g)
+        key = tuple(tree.tokens[accepted[1:]].tolist() + [bonus])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_verify_rule_keeps_distribution_with_ngram_branches():
+    torch.manual_seed(0)
+    tree, probs = ngram_tree_case()
+    samples = 20000
+    counts = sample_rounds(verify_sampling, tree, probs, samples, seed=1)
+    through_ngram = sum(c for key, c in counts.items() if key[0] == 4 or key[:2] == (1, 4))
+    assert through_ngram > 0.05 * samples  # n-gram nodes were accepted often
+    assert chi_square_pvalue(counts, exact_round(tree, probs), samples) > ALPHA
+
+
+def certain_proposal_rule(tree, node_probs, generator):
+    """Wrong on purpose, for n-gram nodes only: a copied token is a point mass q = delta(c), so
+    it is accepted with min(1, p(c) / q(c)) = p(c), ignoring the siblings already rejected
+    (the residual's mass). Head children follow the right rule."""
+    children = [[c for c in range(tree.size) if tree.parents[c] == n] for n in range(tree.size)]
+    node, path = 0, [0]
+    while True:
+        p = node_probs(node)
+        residual = p.clone()
+        for child in children[node]:
+            token = int(tree.tokens[child])
+            u = torch.rand((), generator=generator)
+            if bool(tree.from_ngram[child]):
+                accept = u < p[token]
+            else:
+                accept = u * residual.sum() < residual[token]
+            if accept:
+                node = child
+                path.append(child)
+                break
+            residual[token] = 0.0
+        else:
+            return torch.tensor(path), int(torch.multinomial(residual, 1, generator=generator))
+
+
+def test_negative_control_detects_a_wrong_rule_for_ngram_nodes():
+    torch.manual_seed(0)
+    tree, probs = ngram_tree_case()
+    samples = 20000
+    counts = sample_rounds(certain_proposal_rule, tree, probs, samples, seed=1)
+    assert chi_square_pvalue(counts, exact_round(tree, probs), samples) < ALPHA
+
+
+def ngram_loop_counts(kind: str, samples: int):
+    """Whole loop on a prompt that repeats itself: the head's tree with n-gram branches
+    (eagle+ngram), or n-gram drafting alone. Returns (sequence counts, n-gram tokens accepted)."""
+    from eagle_lab.draft import EagleDrafter, TreeShape
+    from eagle_lab.head import new_head
+
+    target = small_vocab_target()
+    proposer = NgramProposer(min_match=1, max_match=3, max_tokens=3)
+    drafter = (EagleDrafter(new_head(target, seed=4), target, TreeShape(depth=2, topk=2, total_tokens=3), proposer)
+               if kind == "eagle+ngram" else NgramDrafter(proposer))
+    g = torch.Generator().manual_seed(13)
+    counts, accepted_ngram = {}, 0
+    for _ in range(samples):
+        result = generate(speculative_decode(target, drafter, LOOP_PROMPT, LOOP_PARAMS,
+                                             Stopper(target.tokenizer, LOOP_LENGTH, set()), g))
+        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+        accepted_ngram += result.stats.accepted_ngram_tokens
+    return counts, accepted_ngram
+
+
+LOOP_PROMPT = torch.tensor([1, 4, 2, 0, 3, 1, 4, 2, 0, 3, 1, 4])
+LOOP_PARAMS, LOOP_LENGTH = SamplingParams(temperature=0.9), 3
+
+
+@pytest.mark.parametrize("kind", ["eagle+ngram", "ngram"])
+def test_ngram_drafting_sampling_matches_target(kind):
+    samples = 3000
+    counts, accepted_ngram = ngram_loop_counts(kind, samples)
+    assert accepted_ngram > 0.1 * samples  # copied tokens were accepted, not just proposed
+    expected = exact_sequence_probs(small_vocab_target(), LOOP_PROMPT, LOOP_PARAMS, LOOP_LENGTH)
+    assert chi_square_pvalue(counts, expected, samples) > ALPHA
+
+
+def test_whole_loop_rejects_the_wrong_rule_for_ngram_nodes(monkeypatch):
+    """The same loop and test with certain_proposal_rule verifying trees that hold n-gram nodes."""
+    import eagle_lab.generate
+
+    right = eagle_lab.generate.verify
+
+    def verify_wrong_on_ngram(tree, node_logits, params, generator=None):
+        if tree.from_ngram is None:
+            return right(tree, node_logits, params, generator)
+        return certain_proposal_rule(tree, lambda node: target_probs(node_logits(node), params), generator)
+
+    monkeypatch.setattr(eagle_lab.generate, "verify", verify_wrong_on_ngram)
+    samples = 3000
+    counts, _ = ngram_loop_counts("eagle+ngram", samples)
+    expected = exact_sequence_probs(small_vocab_target(), LOOP_PROMPT, LOOP_PARAMS, LOOP_LENGTH)
+    assert chi_square_pvalue(counts, expected, samples) < ALPHA

@@ -53,6 +53,23 @@ def test_json_contract_and_methods_agree(tmp_path):
     assert results["eagle"] == results["vanilla"]
 
 
+def test_ngram_methods_agree_with_vanilla(tmp_path):
+    """method=ngram (no head) and method=eagle with ngram.enabled=true (tree=auto prices the chains)."""
+    common = ("target=tiny_llama", "prompt=one two three one two three one two three", "chat=false",
+              "max_new_tokens=20", "ignore_eos=true", "output=json", "ngram.min_match=1")
+    outputs = {}
+    for name, extra in (("vanilla", ["method=vanilla"]), ("ngram", ["method=ngram"]),
+                        ("hybrid", ["method=eagle", "ngram.enabled=true"])):
+        run = serve(*common, *extra, tmp_path=tmp_path)
+        assert run.returncode == 0, run.stderr[-2000:]
+        row = json_rows(run.stdout)[0]
+        assert row["new_tokens"] == 20 and row["accepted_ngram_tokens"] <= row["accepted_draft_tokens"]
+        outputs[name] = row["token_ids"]
+        if name == "hybrid":
+            assert "tree=auto chose" in run.stderr
+    assert outputs["ngram"] == outputs["vanilla"] and outputs["hybrid"] == outputs["vanilla"]
+
+
 def test_streams_text_to_stdout_and_logs_to_stderr(tmp_path):
     common = ("target=tiny_llama", "prompt=Hello there", "max_new_tokens=16", "ignore_eos=true", "temperature=0.8",
               "seed=3")
@@ -108,6 +125,10 @@ def bad_inputs(tmp: Path, heads: Path) -> dict[str, tuple[list[str], str]]:
         "top_p zero": (["prompt=hi", "temperature=1", "top_p=0"], "top_p"),
         "top_p above one": (["prompt=hi", "temperature=1", "top_p=1.5"], "top_p"),
         "max_new_tokens zero": (["prompt=hi", "max_new_tokens=0"], "max_new_tokens"),
+        "ngram min_match above max_match": (["ngram.min_match=5", "ngram.max_match=2"], "ngram.max_match"),
+        "ngram max_tokens zero": (["method=ngram", "ngram.max_tokens=0"], "ngram.max_tokens"),
+        "ngram min_match zero": (["ngram.enabled=true", "ngram.min_match=0"], "ngram.min_match"),
+        "unknown method": (["method=medusa"], "method"),
     }
 
 

@@ -49,7 +49,7 @@ def test_every_train_option_composes(group):
         assert isinstance(cfg, TrainConfig)
 
 
-@pytest.mark.parametrize("group", ["target", "head", "tree"])
+@pytest.mark.parametrize("group", ["target", "head", "tree", "ngram"])
 def test_every_serve_option_composes(group):
     for option in group_options(group):
         assert isinstance(to_object(composed("serve", [f"{group}={option}"]), ServeConfig), ServeConfig)
@@ -62,6 +62,14 @@ def test_slurm_launcher_composes():
         cfg = compose(config_name="train", overrides=["hydra/launcher=slurm", "run_dir=/tmp/x"],
                       return_hydra_config=True)
     assert cfg.hydra.launcher.nodes == 1 and "submitit" in cfg.hydra.launcher._target_
+
+
+def test_ngram_keys_compose_and_are_typed():
+    cfg = to_object(composed("serve", ["ngram.enabled=true", "ngram.max_tokens=4", "method=ngram"]), ServeConfig)
+    assert cfg.ngram.enabled and cfg.ngram.max_tokens == 4 and cfg.ngram.min_match == 2
+    assert not to_object(composed("serve", []), ServeConfig).ngram.enabled  # off by default
+    with pytest.raises(Exception, match="max_tokenz"):
+        composed("serve", ["ngram.max_tokenz=3"])
 
 
 def test_mistyped_key_fails():

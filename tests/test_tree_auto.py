@@ -2,11 +2,15 @@
 
 import json
 
+import pytest
 import torch
 
 from eagle_lab.draft import Candidates, EagleDrafter, TreeShape
 from eagle_lab.head import new_head
-from eagle_lab.tree_auto import CostModel, TreeSearchConfig, auto_tree, choose, simulate_accept
+from eagle_lab.ngram import NgramProposer
+from eagle_lab.tree_auto import (CostModel, Recording, ReplayTree, TreeSearchConfig, auto_tree, choose, ngram_lengths,
+                                 replay_all, simulate_accept, simulate_hybrid)
+from tests.conftest import small_vocab_target
 
 # root children a(5) > b(6) > c(7); a's children: d(8) > e(9); b's children: f(10) > g(11)
 CANDS = Candidates(
@@ -66,3 +70,84 @@ def test_auto_tree_calibrates_and_caches(tiny_llama, tmp_path):
     assert summary["cost_model"]["overhead_ms"] >= 0 and summary["cost_model"]["overhead_per_token_ms"] >= 0
     again = auto_tree(tiny_llama, drafter, TreeShape(2, 0, 0), prompts, search, cache_dir=tmp_path)
     assert again.depth == 2 and len(list(tmp_path.glob("*.json"))) == 1  # served from the cache
+
+
+# ---- hybrid drafting: n-gram chains replayed and priced with the trees -------------------------
+
+def test_simulate_hybrid_accepts_the_longer_agreement_and_counts_added_tokens():
+    tree = ReplayTree(CANDS, TreeShape(2, 2, 4))  # keeps a(5), b(6), d(8), f(10)
+    assert simulate_hybrid(tree, [5, 8, 1], [5, 8, 1, 2]) == (3, 2)  # chain beats the tree; 5, 8 already held
+    assert simulate_hybrid(tree, [5, 8, 1], [5, 9]) == (2, 1)  # the tree's path wins; 9 is new
+    assert simulate_hybrid(tree, [7, 2], [7, 2, 4]) == (2, 3)  # 7 is not kept: a whole new branch
+    assert simulate_hybrid(tree, [6, 10], []) == (2, 0)
+
+
+def test_ngram_lengths_searched_up_to_max_tokens():
+    assert ngram_lengths(None) == []
+    assert ngram_lengths(NgramProposer(2, 4, 5)) == [1, 2, 3, 4, 5]
+    assert ngram_lengths(NgramProposer(2, 4, 20)) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
+
+
+RECORDING = Recording(rounds=[(CANDS, [5, 8, 1]), (CANDS, [7, 2]), (CANDS, [3, 3])],
+                      chains=[[5, 8, 1, 2], [], [3, 3, 3]], ngram_ms=0.2)
+TINY_SEARCH = TreeSearchConfig(depths=[1], topks=[2], totals=[2])
+
+
+def test_replay_merges_chains_of_each_length():
+    rows = {(r["shape"]["depth"], r.get("ngram_tokens", 0)): r for r in replay_all(RECORDING, TINY_SEARCH, [1, 2])}
+    assert set(rows) == {(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)}
+    assert rows[(0, 0)]["tau"] == 1.0 and "extra" not in rows[(0, 0)]
+    # n-gram alone: round 1 accepts 5 (8), round 2 has no chain, round 3 accepts 3 (3)
+    assert rows[(0, 1)]["tau"] == pytest.approx(1 + 2 / 3) and rows[(0, 1)]["extra"] == {"1": 2, "0": 1}
+    assert rows[(0, 2)]["tau"] == pytest.approx(1 + 4 / 3) and rows[(0, 2)]["extra"] == {"2": 2, "0": 1}
+    # depth 1, top-2, 2 tokens keeps a(5), b(6): alone it accepts only round 1's 5
+    assert rows[(1, 0)]["tau"] == pytest.approx(1 + 1 / 3)
+    assert rows[(1, 1)]["tau"] == pytest.approx(1 + 2 / 3) and rows[(1, 1)]["extra"] == {"0": 2, "1": 1}
+    assert rows[(1, 2)]["tau"] == pytest.approx(1 + 4 / 3) and rows[(1, 2)]["extra"] == {"1": 1, "0": 1, "2": 1}
+
+
+def test_rounds_pay_for_every_chain_token_and_ngram_alone_can_win():
+    costs = CostModel({1: 10.0, 2: 14.0, 3: 18.0, 5: 26.0}, {2: 1.0}, 2.0, 1.0, 0.5, plain_ms=9.0, ngram_ms=0.2)
+    assert costs.round_ms(TreeShape(0, 0, 0), 2, ngram=True) == 18.0 + 1.0 + 0.5 * 2 + 0.2  # no draft cost
+    assert costs.round_ms(TreeShape(0, 0, 0), 0, ngram=True) == 9.0 + 0.2  # no chain: the no-draft round
+    assert costs.round_ms(TreeShape(1, 2, 2), 1, ngram=True) == 22.0 + 2.0 + 1.0 + 0.5 * 3 + 0.2  # target(4): 3 <-> 5
+    rows = replay_all(RECORDING, TINY_SEARCH, [1, 2])
+    chosen, ranked = choose(rows, costs, TreeShape(0, 0, 0))
+    assert chosen == TreeShape(0, 0, 0) and ranked[0]["ngram_tokens"] == 2  # n-gram alone, chains of 2
+    assert ranked[0]["round_ms"] == pytest.approx((2 * (18.0 + 1.0 + 1.0 + 0.2) + 9.2) / 3)
+    assert ranked[0]["tokens_per_s"] == pytest.approx(1000 * (1 + 4 / 3) / ranked[0]["round_ms"])
+    chosen, ranked = choose(rows, costs, TreeShape(1, 0, 0))  # a fixed depth keeps the head's tree
+    assert chosen == TreeShape(1, 2, 2) and ranked[0]["ngram_tokens"] == 2
+
+
+def test_auto_tree_with_ngram_calibrates_separately(tmp_path):
+    target = small_vocab_target(vocab_size=8, seed=0)
+    search = TreeSearchConfig(depths=[1, 2], topks=[1, 2], totals=[1, 2, 4], record_shape=(2, 2, 4),
+                              probe_shape=(1, 2, 2), new_tokens=24, context=32)
+    prompts = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [6, 0, 7, 6, 0, 7, 6, 0]]
+    proposer = NgramProposer(min_match=2, max_match=3, max_tokens=4)
+    drafter = EagleDrafter(new_head(target, seed=1), target, TreeShape(4, 4, 12), ngram=proposer)
+    shape = auto_tree(target, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path)
+    assert drafter.shape == shape
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+    summary = json.loads(files[0].read_text())
+    assert summary["cost_model"]["ngram_ms"] > 0
+    rows = summary["shapes"]
+    lengths = {r.get("ngram_tokens", 0) for r in rows}
+    assert lengths == {0, 1, 2, 3, 4}
+    base = {json.dumps(r["shape"]): r["tau"] for r in rows if not r.get("ngram_tokens")}
+    assert all(r["tau"] >= base[json.dumps(r["shape"])] - 1e-9 for r in rows)  # a chain never loses a token
+    assert any(r["tau"] > base[json.dumps(r["shape"])] for r in rows if r.get("ngram_tokens"))  # and it helps here
+    cm = summary["cost_model"]
+    costs = CostModel({int(k): v for k, v in cm["target_ms"].items()}, {int(k): v for k, v in cm["level_ms"].items()},
+                      cm["first_level_ms"], cm["overhead_ms"], cm["overhead_per_token_ms"], cm["plain_ms"],
+                      cm["ngram_ms"])
+    best = choose(rows, costs, TreeShape(0, 0, 0))[1][0]
+    expected = best.get("ngram_tokens", 0)
+    assert (drafter.ngram.max_tokens if drafter.ngram else 0) == expected  # the chosen chain length, or off
+    if drafter.ngram:
+        assert (drafter.ngram.min_match, drafter.ngram.max_match) == (2, 3)
+    plain = EagleDrafter(new_head(target, seed=1), target, TreeShape(4, 4, 12))
+    auto_tree(target, plain, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 2 and plain.ngram is None  # cached apart from the hybrid's
