@@ -3,9 +3,9 @@
 Used when `data.eval_conversations > 0`. Layout under `<cache>/features/<target>-corpus-<hash>/`:
 
   manifest.json                 what was captured from what, and per-conversation token counts
-  eval/shard_00000.safetensors  the held-out tail: the last `eval_conversations` usable
-                                conversations of the source; no training set ever includes them
-  train/shard_00000.safetensors conversation i of the rest lives in shard i // S
+  eval/shard_00000.safetensors  the held-out tail: the last `eval_conversations` conversations
+                                of the source that keep a supervised token within max_length
+  train/shard_00000.safetensors conversation i of those before it lives in shard i // S
   train/layers-3-16-28_00000.safetensors   EAGLE-3 layer features of that shard, when asked for
 
 A training set of the first N conversations reads the first ceil(N / S) shards, the last cut at
@@ -48,7 +48,7 @@ Conversation = list[dict[str, str]]
 Tokenize = Callable[[Conversation], tuple[list[int], list[int]]]
 MANIFEST = "manifest.json"
 STALE_LOCK_S = 3600.0  # a shard takes minutes; a lock this old belongs to a dead run
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the held-out set is the last N conversations with a supervised token
 
 
 def corpus_key(target_name: str, fingerprint: dict) -> str:
@@ -339,17 +339,19 @@ class CorpusStore:
 
 # ---- the manifest -------------------------------------------------------------------------
 
-def write_manifest(directory: Path, fingerprint: dict, train_tokens: list[int], eval_tokens: list[int]) -> None:
-    """Record what the corpus is and how many tokens each conversation gives (written once)."""
+def write_manifest(directory: Path, fingerprint: dict, split: dict) -> None:
+    """Record what the corpus is and how it splits (written once): split holds
+    train_token_counts and eval_token_counts (tokens per conversation of each split) and
+    whatever else defines the split (the held-out indices)."""
     path = directory / MANIFEST
     if path.exists():
         return
     directory.mkdir(parents=True, exist_ok=True)
+    train, evals = split["train_token_counts"], split["eval_token_counts"]
     tmp = directory / f".{MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, "train_conversations": len(train_tokens),
-                               "eval_conversations": len(eval_tokens), "train_tokens": sum(train_tokens),
-                               "eval_tokens": sum(eval_tokens), "train_token_counts": train_tokens,
-                               "eval_token_counts": eval_tokens}))
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "train_conversations": len(train),
+                               "eval_conversations": len(evals), "train_tokens": sum(train),
+                               "eval_tokens": sum(evals), **split}))
     tmp.replace(path)
 
 

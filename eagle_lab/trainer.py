@@ -273,6 +273,22 @@ class Recipe:
             raise EagleLabError("data.eval_conversations > 0 (the shared feature corpus) needs trainer.features=offline "
                                 "and data.regenerate.enabled=false")
 
+    @staticmethod
+    def _count_corpus(conversations, tokenize, held: int) -> dict:
+        """Tokens of every conversation (0: nothing supervised within max_length), the held-out
+        set (the last `held` conversations that have a supervised token) and the training pool
+        (every conversation before the first held-out one, in source order)."""
+        counts = [len(ids) if any(mask) else 0 for ids, mask in
+                  (tokenize(c) for c in tqdm(conversations, desc="counting tokens", unit="conv",
+                                             disable=not sys.stderr.isatty()))]
+        supervised = [i for i, n in enumerate(counts) if n > 0]
+        if len(supervised) <= held:
+            raise EagleLabError(f"only {len(supervised)} conversations keep a supervised token: too few to hold out "
+                                f"data.eval_conversations={held}")
+        heldout_ids = supervised[-held:]
+        return {"source_conversations": len(conversations), "heldout_indices": heldout_ids,
+                "train_token_counts": counts[: heldout_ids[0]], "eval_token_counts": [counts[i] for i in heldout_ids]}
+
     def _set_max_steps(self) -> None:
         """trainer.epochs > 0: as many steps as that many passes over the training set take."""
         tcfg = self.cfg.trainer
@@ -288,14 +304,6 @@ class Recipe:
         cfg, data = self.cfg, self.cfg.data
         conversations, stats = load_conversations(replace(data, num_conversations=0))
         held = data.eval_conversations
-        if len(conversations) <= held:
-            raise EagleLabError(f"data '{data.name}' has {len(conversations)} usable conversations: too few to hold "
-                                f"out data.eval_conversations={held}")
-        pool, heldout = conversations[:-held], conversations[-held:]
-        count = data.num_conversations or len(pool)
-        if count > len(pool):
-            raise EagleLabError(f"data.num_conversations={count}, but '{data.name}' has {len(pool)} usable "
-                                f"conversations besides the {held} held out (0 = all of them)")
         fingerprint = {"source": data.source, "path": data.path, "max_length": data.max_length,
                        "eval_conversations": held, "shard_conversations": data.shard_conversations,
                        "dtype": str(self.target.dtype)}
@@ -303,16 +311,17 @@ class Recipe:
         directory = root / corpus_key(self.target.name, fingerprint)
         tokenize = lambda messages: tokenize_conversation(self.target.tokenizer, messages, data.max_length)  # noqa: E731
         manifest = read_manifest(directory)
-        if manifest is None or manifest.get("train_conversations") != len(pool):
-            counts = {}
-            for name, convs in (("train", pool), ("eval", heldout)):
-                counts[name] = [len(ids) if any(mask) else 0 for ids, mask in
-                                (tokenize(c) for c in tqdm(convs, desc=f"counting {name} tokens", unit="conv",
-                                                           disable=not sys.stderr.isatty()))]
+        if manifest is None or manifest.get("source_conversations") != len(conversations):
+            manifest = self._count_corpus(conversations, tokenize, held)
             if self.rank == 0:
-                write_manifest(directory, fingerprint, counts["train"], counts["eval"])
-            manifest = {"train_token_counts": counts["train"], "eval_token_counts": counts["eval"]}
+                write_manifest(directory, fingerprint, manifest)
+        heldout_ids = manifest["heldout_indices"]
+        pool, heldout = conversations[: heldout_ids[0]], [conversations[i] for i in heldout_ids]
         train_counts, eval_counts = manifest["train_token_counts"], manifest["eval_token_counts"]
+        count = data.num_conversations or len(pool)
+        if count > len(pool):
+            raise EagleLabError(f"data.num_conversations={count}, but '{data.name}' has {len(pool)} usable "
+                                f"conversations besides the {held} held out (0 = all of them)")
         shard = data.shard_conversations
         splits = {"train": Split("train", pool, directory / "train", shard),
                   "eval": Split("eval", heldout, directory / "eval", shard)}

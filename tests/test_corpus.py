@@ -106,7 +106,8 @@ def test_status_reports_what_is_on_disk(target, tmp_path, capsys):
 
     convs = conversations(9)
     split = make_split(tmp_path, convs)
-    write_manifest(tmp_path, {"max_length": 64, "shard_conversations": 4}, counts(target, convs), [])
+    write_manifest(tmp_path, {"max_length": 64, "shard_conversations": 4},
+                   {"train_token_counts": counts(target, convs), "eval_token_counts": []})
     capture_split(target, split, 4, tokenizer_of(target), counts(target, convs))
     report = status(tmp_path, 4)
     assert report["train"]["shards"] == 3 and report["train"]["shards_done"] == 1
@@ -122,7 +123,9 @@ def test_training_sizes_share_one_capture_and_never_see_the_heldout_tail(tmp_pat
     from eagle_lab.trainer import Recipe
 
     data = tmp_path / "convs.jsonl"
-    data.write_text("\n".join(json.dumps({"messages": c}) for c in conversations(30)))
+    convs = conversations(30)
+    convs[27][0]["content"] = "x" * 600  # a prompt past max_length: no supervised token, never held out
+    data.write_text("\n".join(json.dumps({"messages": c}) for c in convs))
     common = ("data=file", f"data.path={data}", "data.eval_conversations=6", "data.shard_conversations=8",
               "trainer.epochs=1", "trainer.max_steps=1000")
     small = Recipe(smoke_cfg(tmp_path / "small", *common, "data.num_conversations=10",
@@ -137,9 +140,9 @@ def test_training_sizes_share_one_capture_and_never_see_the_heldout_tail(tmp_pat
     full = Recipe(smoke_cfg(tmp_path / "full", *common, "data.num_conversations=0",
                             f"trainer.features_dir={tmp_path / 'features'}"))
     full.setup()
-    assert len(full.train_source) == 24  # everything but the held-out tail
+    assert len(full.train_source) == 23  # everything before the held-out tail (the last 6 supervised)
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # the smaller size's shards were reused
-    trained = {tuple(full.train_source.store[i].input_ids.tolist()) for i in range(24)}
+    trained = {tuple(full.train_source.store[i].input_ids.tolist()) for i in range(23)}
     assert not trained & heldout
     with pytest.raises(EagleLabError, match="besides the 6 held out"):
         Recipe(smoke_cfg(tmp_path / "big", *common, "data.num_conversations=25",
