@@ -146,3 +146,21 @@ def test_missing_prompts_file_is_a_user_error(tmp_path):
         load_bench_prompts(str(tmp_path / "missing.jsonl"), 3)
     with pytest.raises(EagleLabError, match="unknown bench.dataset"):
         load_bench_prompts("sharegpt", 3)
+
+
+def test_update_card_records_eagle_tau_per_tree_and_temperature(tmp_path):
+    from types import SimpleNamespace
+
+    from eagle_lab.bench import update_card
+    from eagle_lab.card import HeadCard, read_card, write_card
+
+    write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
+    cfg = ServeConfig(head=HeadConfig(path=str(tmp_path)), tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4,
+                                                                           total_tokens=12),
+                      bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "eagle"], update_card=True))
+    summary = {"0.0": {"eagle": {"tau": 1.91234}, "vanilla": {"tau": 1.0}}, "1.0": {"eagle": {"tau": 1.7}}}
+    update_card(cfg, SimpleNamespace(name="tiny_llama"), summary, 20)
+    assert read_card(tmp_path).mtbench_tau == {"cpu": {"T=0,n=20": 1.912, "T=1,n=20": 1.7}}
+    cfg.bench.dataset = "humaneval"  # not MT-bench: the card is left alone
+    update_card(cfg, SimpleNamespace(name="tiny_llama"), {"0.0": {"eagle": {"tau": 3.0}}}, 80)
+    assert "T=0" not in read_card(tmp_path).mtbench_tau["cpu"]
