@@ -175,6 +175,8 @@ def test_bad_requests_get_openai_errors(server, client, case):
     (b"[1, 2]", None),  # JSON, not an object
     (b'{"prompt": "hi"}', "model"),  # no model
     (b'\xff\xfe', None),  # not UTF-8
+    (b'{"model": "tiny_llama", "prompt": "hi", "temperature": NaN}', "temperature"),  # Python's json reads NaN
+    (b'{"model": "tiny_llama", "prompt": "hi", "top_p": Infinity}', "top_p"),
 ])
 def test_malformed_bodies_get_400(server, client, payload, param):
     response = httpx.post(f"{server.url}/v1/completions", content=payload,
@@ -266,3 +268,14 @@ def test_concurrent_requests_each_equal_batch_one(server, client, tmp_path):
     watcher.join()
     assert [results.get(i) for i in range(8)] == [row["token_ids"] for row in expected]
     assert 2 <= peak[0] <= 4  # sequences were active together, never more than max_batch
+
+
+@pytest.mark.parametrize("method", ["vanilla", "ngram"])
+def test_other_methods_serve_the_same_output(method, tmp_path):
+    overrides = [*TINY, f"method={method}", "ngram.min_match=1"]
+    prompt = "one two three one two three one two"
+    expected = reference([*overrides, "chat=false", "max_new_tokens=20", "ignore_eos=true"], [prompt], tmp_path)[0]
+    with RunningServer(serve_config(*overrides)) as running:
+        got = running.client().completions.create(model=MODEL, prompt=prompt, max_tokens=20,
+                                                  extra_body={"ignore_eos": True})
+    check_against(got, got.choices[0].text, expected)
