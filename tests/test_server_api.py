@@ -186,6 +186,14 @@ def test_malformed_bodies_get_400(server, client, payload, param):
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_oversized_body_gets_413(server, client, monkeypatch):
+    monkeypatch.setattr("eagle_lab.serving.app.MAX_BODY_BYTES", 64 << 10)
+    response = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "x" * (200 << 10), "max_tokens": 2})
+    assert response.status_code == 413 and response.json()["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens >= 1
+
+
 def test_unknown_route_and_method_get_openai_errors(server):
     assert httpx.get(f"{server.url}/v1/nothing", timeout=10).json()["error"]["message"]
     response = httpx.get(f"{server.url}/v1/completions", timeout=10)

@@ -213,3 +213,24 @@ def test_drafter_factory_per_method(prototype):
     assert eagle() is not eagle() and isinstance(eagle(), EagleDrafter)
     ngram = drafter_factory(NgramDrafter(NgramProposer()))
     assert isinstance(ngram(), NgramDrafter) and ngram() is not ngram()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_scheduler_thread_fails_every_waiting_job():
+    """A bug that kills the thread (here: a deliver that raises) must not leave requests waiting forever."""
+    from eagle_lab.serving.scheduler import SchedulerStopped
+
+    scheduler, log = Scheduler(max_batch=1, max_queue=4), []
+
+    def broken_deliver(event):
+        raise ValueError("a broken callback")
+
+    broken = Job(start=counting_stream("broken", 3, log), deliver=broken_deliver, name="broken")
+    waiting, waiting_events = make_job("waiting", 3, log)
+    scheduler.submit(broken)
+    scheduler.submit(waiting)
+    scheduler.start()
+    wait_for(lambda: not scheduler.alive)
+    assert len(waiting_events.events) == 1 and waiting_events.events[0].status == 503
+    with pytest.raises(SchedulerStopped):
+        scheduler.submit(make_job("late", 1, log)[0])

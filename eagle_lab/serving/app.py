@@ -27,6 +27,7 @@ from eagle_lab.serving.scheduler import Failed, Job, QueueFull, Scheduler, Sched
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5  # a non-streaming request checks this often whether its client is still there
+MAX_BODY_BYTES = 32 << 20  # far above any prompt a target's context holds; larger bodies get 413
 
 
 def create_app(engine: Engine, scheduler: Scheduler, api_key: str = "") -> FastAPI:
@@ -170,9 +171,24 @@ def create_app(engine: Engine, scheduler: Scheduler, api_key: str = "") -> FastA
     return app
 
 
+async def read_body(request: Request) -> bytes:
+    """The body, refused with 413 past MAX_BODY_BYTES (declared or actually sent): memory stays bounded."""
+    declared = request.headers.get("content-length", "")
+    too_big = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def parse(request: Request, schema: type[BaseModel]) -> BaseModel:
     """The body as `schema`, or a 400 naming the offending field."""
-    raw = await request.body()
+    raw = await read_body(request)
     try:
         payload = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

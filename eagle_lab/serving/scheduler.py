@@ -115,12 +115,30 @@ class Scheduler:
     # ---- the scheduler thread ----
 
     def _run(self) -> None:
-        with torch.no_grad():  # grad mode is per thread
-            while self._admit():
-                for job in list(self._active):
-                    self._advance(job)
-                self._active = [job for job in self._active if not job.done]
-                self._active_count = len(self._active)
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                while self._admit():
+                    for job in list(self._active):
+                        self._advance(job)
+                    self._active = [job for job in self._active if not job.done]
+                    self._active_count = len(self._active)
+        except Exception:
+            log.exception("the scheduler thread died")  # a bug: /health turns 503, new requests get 503
+            raise
+        finally:
+            self._abandon("the scheduler stopped")  # nobody may wait forever on a dead thread
+
+    def _abandon(self, message: str) -> None:
+        with self._cond:
+            left = [job for job in self._active + list(self._waiting) if not job.done]
+            self._waiting.clear()
+        for job in left:
+            job.done = True
+            try:
+                job.deliver(Failed(message, 503))
+            except Exception:  # noqa: BLE001 - one broken callback must not keep the others waiting
+                log.exception("request %s: could not be told that the scheduler stopped", job.name)
+        self._active, self._active_count = [], 0
 
     def _admit(self) -> bool:
         """Fill free slots from the waiting list; sleeps while there is nothing to do. False: stop."""
