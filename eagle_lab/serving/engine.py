@@ -91,7 +91,7 @@ class Engine:
             raise APIError(400, "prompt must be one string (lists of prompts or token ids are not supported)",
                            "prompt")
         ids = self._encode(request.prompt, chat=False, param="prompt")
-        return self._plan(request, ids, request.max_tokens)
+        return self._plan(request, ids, request.max_tokens, "prompt")
 
     def plan_chat(self, request: ChatRequest) -> Plan:
         self._check_common(request)
@@ -110,7 +110,7 @@ class Engine:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_tokens")
         max_tokens = request.max_tokens if request.max_tokens is not None else request.max_completion_tokens
         ids = self._encode(messages, chat=True, param="messages")
-        return self._plan(request, ids, max_tokens)
+        return self._plan(request, ids, max_tokens, "messages")
 
     def _check_common(self, request: SamplingFields) -> None:
         if request.model != self.model_name:
@@ -130,14 +130,13 @@ class Engine:
         except TemplateError as exc:  # e.g. a template that wants alternating user/assistant turns
             raise APIError(400, f"the target's chat template refused these messages: {exc}", param) from exc
 
-    def _plan(self, request: SamplingFields, ids: list[int], max_tokens: int | None) -> Plan:
+    def _plan(self, request: SamplingFields, ids: list[int], max_tokens: int | None, prompt_param: str) -> Plan:
         context = self.target.max_context
         if not ids:
-            raise APIError(400, "the prompt is empty", "prompt")
+            raise APIError(400, "the prompt is empty", prompt_param)
         if len(ids) >= context:
             raise APIError(400, f"the prompt has {len(ids)} tokens; the target's context of {context} leaves no "
-                                "room to generate", "messages" if isinstance(request, ChatRequest) else "prompt",
-                           "context_length_exceeded")
+                                "room to generate", prompt_param, "context_length_exceeded")
         if max_tokens is None:
             max_tokens = min(self.cfg.max_new_tokens, context - len(ids))
         elif max_tokens < 1:

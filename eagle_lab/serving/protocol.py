@@ -48,7 +48,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int | None = None
-    stream: bool = False
+    stream: bool | None = False  # null = false
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None  # extension
 
