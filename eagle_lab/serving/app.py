@@ -12,8 +12,9 @@ import asyncio
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,6 +29,30 @@ from eagle_lab.serving.scheduler import Failed, Job, QueueFull, Scheduler, Sched
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5  # a non-streaming request checks this often whether its client is still there
 MAX_BODY_BYTES = 32 << 20  # far above any prompt a target's context holds; larger bodies get 413
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A handler's hold on its job: the queue its events arrive on, and whether the last one came."""
+
+    job: Job
+    queue: asyncio.Queue
+    ended: bool = False
+
+
+class TicketStream(StreamingResponse):
+    """A StreamingResponse that releases its job however the response ends, even when the client
+    left before the body generator ever started (then the generator's own `finally` never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 def create_app(engine: Engine, scheduler: Scheduler, api_key: str = "") -> FastAPI:
@@ -90,14 +115,14 @@ def create_app(engine: Engine, scheduler: Scheduler, api_key: str = "") -> FastA
         return await respond(request, body, engine.plan_chat(body), Shapes(chat=True, model=engine.model_name))
 
     async def respond(request: Request, body, plan: Plan, shapes: Shapes):
-        job, queue = submit(plan, shapes.id)
+        ticket = submit(plan, shapes.id)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse(job, queue, shapes, len(plan.prompt_ids), include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await whole(request, job, queue, shapes, len(plan.prompt_ids))
+            return TicketStream(sse(ticket, shapes, len(plan.prompt_ids), include_usage), lambda: release(ticket),
+                                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await whole(request, ticket, shapes, len(plan.prompt_ids))
 
-    def submit(plan: Plan, name: str) -> tuple[Job, asyncio.Queue]:
+    def submit(plan: Plan, name: str) -> Ticket:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()  # holds at most max_tokens + 2 events
 
         def deliver(event: object) -> None:  # called on the scheduler thread
@@ -113,60 +138,58 @@ def create_app(engine: Engine, scheduler: Scheduler, api_key: str = "") -> FastA
             raise APIError(429, f"the server is busy: {exc}; retry later", None, "queue_full") from exc
         except SchedulerStopped as exc:
             raise APIError(503, str(exc)) from exc
-        return job, queue
+        return Ticket(job, queue)
 
-    async def whole(request: Request, job: Job, queue: asyncio.Queue, shapes: Shapes, prompt_tokens: int):
-        ended = False  # the last event arrived (job.done follows on the scheduler's next round)
+    def release(ticket: Ticket) -> None:
+        """The handler is done with its job: cancel it unless its last event arrived (idempotent)."""
+        if not ticket.ended and not ticket.job.cancelled.is_set():
+            log.info("request %s: the client went away; cancelled", ticket.job.name)
+            scheduler.cancel(ticket.job)
+
+    async def whole(request: Request, ticket: Ticket, shapes: Shapes, prompt_tokens: int):
         next_check = loop_time() + DISCONNECT_POLL_S
         try:
             while True:
                 try:  # events arrive every round, so the client is checked on a clock, not on a quiet queue
-                    event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                    event = await asyncio.wait_for(ticket.queue.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     event = None
-                if isinstance(event, Finished):
-                    ended = True
+                if isinstance(event, (Finished, Failed)):
+                    ticket.ended = True
+                    if isinstance(event, Failed):
+                        raise APIError(event.status, event.message)
                     return shapes.whole(event.text, event.stats, event.token_ids, prompt_tokens)
-                if isinstance(event, Failed):
-                    ended = True
-                    raise APIError(event.status, event.message)
                 if loop_time() >= next_check:
                     next_check = loop_time() + DISCONNECT_POLL_S
-                    if await request.is_disconnected():
-                        log.info("request %s: client went away; cancelled", job.name)
-                        return JSONResponse(error_body(400, "client disconnected"), status_code=400)  # cancels below
+                    if await request.is_disconnected():  # nobody reads the answer: released below
+                        return JSONResponse(error_body(400, "client disconnected"), status_code=400)
         finally:
-            if not ended:
-                scheduler.cancel(job)  # the handler itself was cancelled (server shutdown, client gone)
+            release(ticket)  # also when the handler itself is cancelled
 
-    async def sse(job: Job, queue: asyncio.Queue, shapes: Shapes, prompt_tokens: int,
-                  include_usage: bool) -> AsyncIterator[str]:
-        # Starlette cancels this generator when the client disconnects: `finally` cancels the job.
-        ended = False
+    async def sse(ticket: Ticket, shapes: Shapes, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+        # On a disconnect Starlette cancels this generator (or never starts it): TicketStream releases the job.
         try:
             if shapes.chat:
                 yield data(shapes.chunk("", first=True))
             while True:
-                event = await queue.get()
+                event = await ticket.queue.get()
                 if isinstance(event, Delta) and event.text:
                     yield data(shapes.chunk(event.text))
                 elif isinstance(event, Finished):
+                    ticket.ended = True
                     if event.tail:
                         yield data(shapes.chunk(event.tail))
                     yield data(shapes.last_chunk(event.stats, event.token_ids))
                     if include_usage:
                         yield data(shapes.usage_chunk(prompt_tokens, event.stats))
-                    ended = True
                     break
                 elif isinstance(event, Failed):  # the status line is sent already: report in the stream
-                    ended = True
+                    ticket.ended = True
                     yield data(error_body(event.status, event.message))
                     break
             yield "data: [DONE]\n\n"
         finally:
-            if not ended:
-                log.info("request %s: stream closed early; cancelled", job.name)
-                scheduler.cancel(job)
+            release(ticket)
 
     return app
 
