@@ -63,13 +63,25 @@ class BenchConfig:
 
 
 @dataclass
+class ServerConfig:
+    """`mode=server`: the OpenAI-compatible HTTP server (eagle_lab/serving/)."""
+
+    host: str = "127.0.0.1"  # loopback only unless asked: there is no TLS
+    port: int = 8000  # 0 = a free port the OS picks (logged)
+    api_key: str = ""  # "" = no key; else clients send "Authorization: Bearer <key>"
+    max_batch: int = 8  # sequences decoded at once (their rounds interleave)
+    max_queue: int = 64  # requests waiting for a slot; one more is answered 429
+
+
+@dataclass
 class ServeConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     ngram: NgramConfig = field(default_factory=NgramConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
-    mode: str = "generate"  # generate | bench
+    server: ServerConfig = field(default_factory=ServerConfig)
+    mode: str = "generate"  # generate | bench | server
     method: str = "eagle"  # eagle | vanilla | ngram
     prompt: str = ""
     prompts_file: str = ""

@@ -63,8 +63,8 @@ def gather_prompts(cfg: ServeConfig) -> list:
 def validate(cfg: ServeConfig) -> SamplingParams:
     if cfg.output not in ("text", "json"):
         raise EagleLabError(f"output must be text or json, got '{cfg.output}'")
-    if cfg.mode not in ("generate", "bench"):
-        raise EagleLabError(f"mode must be generate or bench, got '{cfg.mode}'")
+    if cfg.mode not in ("generate", "bench", "server"):
+        raise EagleLabError(f"mode must be generate, bench or server, got '{cfg.mode}'")
     if cfg.method not in ("eagle", "vanilla", "ngram"):
         raise EagleLabError(f"method must be eagle, vanilla or ngram, got '{cfg.method}'")
     if cfg.max_new_tokens < 1:
@@ -91,6 +91,11 @@ def run(raw: DictConfig) -> None:
         from eagle_lab.bench import run_bench
 
         run_bench(cfg)
+        return
+    if cfg.mode == "server":  # OpenAI-compatible HTTP server (eagle_lab/serving/)
+        from eagle_lab.serving.server import run_server
+
+        run_server(cfg)
         return
     prompts = gather_prompts(cfg)
     target = load_target(cfg.target)

@@ -1,0 +1,38 @@
+"""One drafter per active sequence.
+
+An `EagleDrafter` keeps per-sequence state between rounds: the head's KV cache over the
+committed tokens (`cache`, `committed`) and the last round's candidates. Two sequences whose
+rounds interleave through one drafter would read each other's cache, so every sequence gets
+its own drafter. The forks share what is read-only: the head module (weights), the target,
+the tree shape (tree=auto measured it once, on the prototype) and the draft LM-head rows
+(`lm_weight`: with a reduced draft vocabulary it is a copy of [Vd, H] rows, not re-made per fork).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+from eagle_lab.draft import Drafter, EagleDrafter
+from eagle_lab.head import HeadKVCache
+from eagle_lab.ngram import NgramDrafter
+
+
+def fork_eagle(prototype: EagleDrafter) -> EagleDrafter:
+    """A drafter sharing the prototype's head, shape and n-gram proposer, with fresh sequence state."""
+    fork = copy.copy(prototype)  # shallow: module, target, shape, lm_weight, ngram shared
+    fork.cache = HeadKVCache()
+    fork.committed = 0
+    fork.last_candidates = None
+    return fork
+
+
+def drafter_factory(prototype: Drafter | None) -> Callable[[], Drafter | None]:
+    """What each new sequence calls for its drafter (None: method=vanilla)."""
+    if prototype is None:
+        return lambda: None
+    if isinstance(prototype, EagleDrafter):
+        return lambda: fork_eagle(prototype)
+    if isinstance(prototype, NgramDrafter):
+        return lambda: NgramDrafter(prototype.proposer)  # stateless today; a fresh one stays safe if that changes
+    raise TypeError(f"no per-sequence factory for drafter {type(prototype).__name__}")

@@ -1,0 +1,179 @@
+"""The scheduler thread: the only thread that runs the model (torch modules and caches are
+not safe to drive from several threads at once).
+
+HTTP handlers `submit` jobs into a bounded waiting list (full: `QueueFull`, the caller answers
+429, so memory stays bounded) and receive events through the job's `deliver` callback, which
+hands them to the handler's event loop (loop.call_soon_threadsafe). Continuous scheduling:
+up to `max_batch` jobs are active; between rounds finished or cancelled jobs leave and
+waiting jobs join, first come first served. A round advances every active job by one step of
+its own event stream (one decoding round of its own generator, cache, drafter and
+torch.Generator), so a job's output does not depend on who else is active.
+`deliver` must not block or raise: the app's callback swallows a closed event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from eagle_lab.errors import EagleLabError
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More jobs are waiting than the scheduler may hold."""
+
+
+class SchedulerStopped(Exception):
+    """The scheduler no longer takes jobs (shutting down, or its thread died)."""
+
+
+@dataclass
+class Failed:
+    """The job's last event when its stream raised: `status` 400 for a user error, else 500."""
+
+    message: str
+    status: int = 500
+
+
+@dataclass(eq=False)
+class Job:
+    """One request. `start` runs on the scheduler thread and returns the job's event stream:
+    one `next()` per round; the stream's end is the job's end."""
+
+    start: Callable[[], Iterator[object]]
+    deliver: Callable[[object], None]
+    name: str = ""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    stream: Iterator[object] | None = None  # set by the scheduler thread at admission
+    done: bool = False  # finished, cancelled or failed: its slot is free
+
+
+class Scheduler:
+    def __init__(self, max_batch: int, max_queue: int):
+        if max_batch < 1 or max_queue < 1:
+            raise EagleLabError(f"the scheduler needs max_batch >= 1 and max_queue >= 1, got {max_batch}, {max_queue}")
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()  # guarded by _cond
+        self._active: list[Job] = []  # touched only by the scheduler thread
+        self._active_count = 0  # a copy of len(_active) others may read
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+
+    # ---- called from HTTP handlers (any thread) ----
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopping or (self._thread is not None and not self._thread.is_alive()):
+                raise SchedulerStopped("the server is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                self.counts["rejected"] += 1
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting (server.max_queue)")
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop the job if it still waits, else free its slot before the next round."""
+        job.cancelled.set()
+        with self._cond:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self.counts["cancelled"] += 1
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return self._active_count
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="eagle-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish the active and waiting jobs, then end the thread (the server stopped taking requests)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- the scheduler thread ----
+
+    def _run(self) -> None:
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                while self._admit():
+                    for job in list(self._active):
+                        self._advance(job)
+                    self._active = [job for job in self._active if not job.done]
+                    self._active_count = len(self._active)
+        except Exception:
+            log.exception("the scheduler thread died")  # a bug: /health turns 503, new requests get 503
+            raise
+        finally:
+            self._abandon("the scheduler stopped")  # nobody may wait forever on a dead thread
+
+    def _abandon(self, message: str) -> None:
+        with self._cond:
+            left = [job for job in self._active + list(self._waiting) if not job.done]
+            self._waiting.clear()
+        for job in left:
+            job.done = True
+            try:
+                job.deliver(Failed(message, 503))
+            except Exception:  # noqa: BLE001 - one broken callback must not keep the others waiting
+                log.exception("request %s: could not be told that the scheduler stopped", job.name)
+        self._active, self._active_count = [], 0
+
+    def _admit(self) -> bool:
+        """Fill free slots from the waiting list; sleeps while there is nothing to do. False: stop."""
+        with self._cond:
+            while not self._active and not self._waiting:
+                if self._stopping:
+                    return False
+                self._cond.wait()
+            while self._waiting and len(self._active) < self.max_batch:
+                self._active.append(self._waiting.popleft())
+            self._active_count = len(self._active)
+        return True
+
+    def _advance(self, job: Job) -> None:
+        """One round of one job: its next event, or its end."""
+        if job.cancelled.is_set():
+            self._retire(job, "cancelled")
+            return
+        try:
+            if job.stream is None:
+                job.stream = job.start()  # builds the decoder; the prefill runs at the first next()
+            job.deliver(next(job.stream))
+        except StopIteration:
+            self._retire(job, "completed")
+        except EagleLabError as exc:  # a user error found late (most are checked before submit)
+            job.deliver(Failed(str(exc), 400))
+            self._retire(job, "failed")
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+            log.exception("request %s failed", job.name)
+            job.deliver(Failed(f"internal error: {type(exc).__name__}: {exc}", 500))
+            self._retire(job, "failed")
+
+    def _retire(self, job: Job, outcome: str) -> None:
+        if job.stream is not None and hasattr(job.stream, "close"):
+            job.stream.close()  # frees the generator's caches now, not at garbage collection
+        job.stream, job.done = None, True
+        with self._cond:
+            self.counts[outcome] += 1

@@ -1,0 +1,92 @@
+"""`python serve.py mode=server`: check the config, bind, load, then serve until SIGTERM/SIGINT.
+
+Order matters for users: a bad `server.*` value or a taken port ends in one `error:` line
+before the model loads (which can take long); the socket is bound first but only listened
+on once the model is ready, so a client never reaches a half-loaded server.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+
+from eagle_lab.config import ServeConfig, ServerConfig
+from eagle_lab.errors import EagleLabError
+
+log = logging.getLogger(__name__)
+
+
+def check_server_config(cfg: ServerConfig) -> None:
+    if not 0 <= cfg.port <= 65535:
+        raise EagleLabError(f"server.port must be in 0..65535 (0 = any free port), got {cfg.port}")
+    if cfg.max_batch < 1:
+        raise EagleLabError(f"server.max_batch must be >= 1, got {cfg.max_batch}")
+    if cfg.max_queue < 1:
+        raise EagleLabError(f"server.max_queue must be >= 1, got {cfg.max_queue}")
+    if not cfg.host.strip():
+        raise EagleLabError("server.host is empty (127.0.0.1 serves this machine only)")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A bound (not yet listening) TCP socket; EagleLabError when the address is unusable."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise EagleLabError(f"cannot listen on {host}:{port}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise EagleLabError(f"cannot listen on {host}:{port}: {exc}") from exc
+    return sock
+
+
+def build_app(cfg: ServeConfig):
+    """Load the target (and head), then the engine, scheduler and FastAPI app. Also used by tests."""
+    from eagle_lab.serve import make_drafter
+    from eagle_lab.serving.app import create_app
+    from eagle_lab.serving.drafters import drafter_factory
+    from eagle_lab.serving.engine import Engine
+    from eagle_lab.serving.scheduler import Scheduler
+    from eagle_lab.target import load_target
+
+    target = load_target(cfg.target)
+    engine = Engine(cfg, target, drafter_factory(make_drafter(cfg, target)))
+    scheduler = Scheduler(cfg.server.max_batch, cfg.server.max_queue)
+    return create_app(engine, scheduler, cfg.server.api_key), engine, scheduler
+
+
+def run_server(cfg: ServeConfig) -> None:
+    check_server_config(cfg.server)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        raise EagleLabError(f"mode=server needs the server extras ({exc.name} is missing): "
+                            "pip install -e '.[server]'") from exc
+    sock = bind(cfg.server.host, cfg.server.port)
+
+    app, engine, _ = build_app(cfg)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    log.info("serving %s (method=%s) on http://%s:%d/v1 (max_batch %d, max_queue %d%s)", engine.model_name,
+             cfg.method, shown, port, cfg.server.max_batch, cfg.server.max_queue,
+             ", API key required" if cfg.server.api_key else "")
+    # uvicorn handles SIGTERM/SIGINT: it stops accepting, waits for in-flight requests (streams
+    # included), runs the app's shutdown, then re-raises the signal with the handler that was
+    # installed before it started. For SIGTERM that handler is ours and does nothing, so a
+    # graceful stop exits 0; SIGINT keeps Python's KeyboardInterrupt (exit 130, as elsewhere).
+    previous = signal.signal(signal.SIGTERM, _stopped_by_sigterm)
+    try:
+        server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=True, timeout_graceful_shutdown=None))
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    log.info("server stopped")
+
+
+def _stopped_by_sigterm(_signum, _frame) -> None:
+    log.info("SIGTERM: in-flight requests finished")
