@@ -500,7 +500,9 @@ class Recipe:
         self.head.eval()
         count = min(len(self.eval_source), self.cfg.trainer.eval_sequences)
         size = self.cfg.trainer.micro_batch_size
-        batches = (self._batch(self.eval_source.get(list(range(i, min(count, i + size))), with_greedy=True))
+        lengths = self.eval_source.lengths()
+        chosen = sorted(range(count), key=lambda i: lengths[i])  # similar lengths per batch: little padding
+        batches = (self._batch(self.eval_source.get(chosen[i: i + size], with_greedy=True))
                    for i in range(0, count, size))
         result = heldout_accuracy(self.head, self.target, batches, self.cfg.trainer.eval_depth)
         self.last_eval = {**result, "sequences": count}

@@ -49,7 +49,7 @@ def test_every_train_option_composes(group):
         assert isinstance(cfg, TrainConfig)
 
 
-@pytest.mark.parametrize("group", ["target", "head", "tree", "ngram"])
+@pytest.mark.parametrize("group", ["target", "head", "tree", "ngram", "server"])
 def test_every_serve_option_composes(group):
     for option in group_options(group):
         assert isinstance(to_object(composed("serve", [f"{group}={option}"]), ServeConfig), ServeConfig)
