@@ -55,7 +55,10 @@ def plot(cards: list[tuple[Path, HeadCard]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import FuncFormatter
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 0.3, not 3x10^-1
     tokens = [c.train_tokens / 1e6 for _, c in cards]
     depth = max((len(c.heldout_top1) for _, c in cards), default=0)
     for d in range(depth):
@@ -71,6 +74,9 @@ def plot(cards: list[tuple[Path, HeadCard]], path: Path) -> None:
         right.plot(*zip(*points), marker="s", label="MT-bench tau (tree=cpu, T=0)")
     right.set(xscale="log", xlabel="training tokens (M)", ylabel="tokens per target forward", title="tau")
     right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_formatter(plain)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
