@@ -100,11 +100,12 @@ def _lock_path(split: Split, k: int) -> Path:
 def _lock_is_stale(lock: Path) -> bool:
     try:
         age = time.time() - lock.stat().st_mtime
-        info = json.loads(lock.read_text())
     except FileNotFoundError:
         return False  # released meanwhile: not ours to remove
+    try:
+        info = json.loads(lock.read_text())
     except (OSError, ValueError):
-        return time.time() - lock.stat().st_mtime > 60 if lock.exists() else False  # being written
+        return age > 60  # empty or half-written: its writer gets a minute to finish
     if age > STALE_LOCK_S:
         return True
     if info.get("host") != socket.gethostname():
