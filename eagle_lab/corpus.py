@@ -366,6 +366,47 @@ def read_manifest(directory: Path) -> dict | None:
         raise EagleLabError(f"corpus manifest {path} is unreadable ({err}); delete it to recount") from err
 
 
+@dataclass
+class Corpus:
+    """A corpus on disk and how it splits: the training pool and the held-out tail."""
+
+    train: Split
+    eval: Split
+    train_counts: list[int]  # tokens of each pool conversation (0: nothing supervised)
+    eval_counts: list[int]
+
+
+def count_and_split(conversations: list[Conversation], tokenize: Tokenize, held: int) -> dict:
+    """Tokens of every conversation (0: nothing supervised within max_length), the held-out set
+    (the last `held` conversations that have a supervised token) and the training pool (every
+    conversation before the first held-out one, in source order), as the manifest stores them."""
+    counts = [len(ids) if any(mask) else 0 for ids, mask in
+              (tokenize(c) for c in tqdm(conversations, desc="counting tokens", unit="conv",
+                                         disable=not sys.stderr.isatty()))]
+    supervised = [i for i, n in enumerate(counts) if n > 0]
+    if len(supervised) <= held:
+        raise EagleLabError(f"only {len(supervised)} conversations keep a supervised token: too few to hold out "
+                            f"data.eval_conversations={held}")
+    heldout_ids = supervised[-held:]
+    return {"source_conversations": len(conversations), "heldout_indices": heldout_ids,
+            "train_token_counts": counts[: heldout_ids[0]], "eval_token_counts": [counts[i] for i in heldout_ids]}
+
+
+def open_corpus(directory: Path, fingerprint: dict, conversations: list[Conversation], tokenize: Tokenize,
+                held: int, shard_conversations: int, write: bool = True) -> Corpus:
+    """The corpus of `conversations` in `directory`: its manifest is read, or counted (about a
+    minute for ShareGPT) and written once (`write`: only one rank writes)."""
+    manifest = read_manifest(directory)
+    if manifest is None or manifest.get("source_conversations") != len(conversations):
+        manifest = count_and_split(conversations, tokenize, held)
+        if write:
+            write_manifest(directory, fingerprint, manifest)
+    heldout_ids = manifest["heldout_indices"]
+    return Corpus(Split("train", conversations[: heldout_ids[0]], directory / "train", shard_conversations),
+                  Split("eval", [conversations[i] for i in heldout_ids], directory / "eval", shard_conversations),
+                  manifest["train_token_counts"], manifest["eval_token_counts"])
+
+
 def status(directory: Path, shard_conversations: int, layer_ids: tuple[int, ...] = ()) -> dict:
     """How much of a corpus is on disk: shards, conversations and tokens per split, and bytes."""
     manifest = read_manifest(directory) or {}

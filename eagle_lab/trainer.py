@@ -14,7 +14,6 @@ import math
 import os
 import random
 import socket
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -26,7 +25,7 @@ from tqdm import tqdm
 from eagle_lab import checkpoint as ckpt
 from eagle_lab.card import HeadCard, write_card
 from eagle_lab.config import TrainConfig, to_object
-from eagle_lab.corpus import CorpusStore, Split, capture_split, corpus_key, read_manifest, write_manifest
+from eagle_lab.corpus import CorpusStore, capture_split, corpus_key, open_corpus
 from eagle_lab.data import build_datasets, load_conversations, tokenize_conversation
 from eagle_lab.embedded import cache_root
 from eagle_lab.errors import EagleLabError
@@ -215,6 +214,7 @@ class Recipe:
     def __init__(self, cfg: TrainConfig, command: str = ""):
         self.cfg = cfg
         self.command = command  # how this run was started, for the head card
+        self.train_conversations = 0  # conversations asked for (examples drop those without a reply)
         self.last_eval: dict[str, float] = {}
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "ckpt"
@@ -273,22 +273,6 @@ class Recipe:
             raise EagleLabError("data.eval_conversations > 0 (the shared feature corpus) needs trainer.features=offline "
                                 "and data.regenerate.enabled=false")
 
-    @staticmethod
-    def _count_corpus(conversations, tokenize, held: int) -> dict:
-        """Tokens of every conversation (0: nothing supervised within max_length), the held-out
-        set (the last `held` conversations that have a supervised token) and the training pool
-        (every conversation before the first held-out one, in source order)."""
-        counts = [len(ids) if any(mask) else 0 for ids, mask in
-                  (tokenize(c) for c in tqdm(conversations, desc="counting tokens", unit="conv",
-                                             disable=not sys.stderr.isatty()))]
-        supervised = [i for i, n in enumerate(counts) if n > 0]
-        if len(supervised) <= held:
-            raise EagleLabError(f"only {len(supervised)} conversations keep a supervised token: too few to hold out "
-                                f"data.eval_conversations={held}")
-        heldout_ids = supervised[-held:]
-        return {"source_conversations": len(conversations), "heldout_indices": heldout_ids,
-                "train_token_counts": counts[: heldout_ids[0]], "eval_token_counts": [counts[i] for i in heldout_ids]}
-
     def _set_max_steps(self) -> None:
         """trainer.epochs > 0: as many steps as that many passes over the training set take."""
         tcfg = self.cfg.trainer
@@ -310,21 +294,15 @@ class Recipe:
         root = Path(cfg.trainer.features_dir) if cfg.trainer.features_dir else cache_root() / "features"
         directory = root / corpus_key(self.target.name, fingerprint)
         tokenize = lambda messages: tokenize_conversation(self.target.tokenizer, messages, data.max_length)  # noqa: E731
-        manifest = read_manifest(directory)
-        if manifest is None or manifest.get("source_conversations") != len(conversations):
-            manifest = self._count_corpus(conversations, tokenize, held)
-            if self.rank == 0:
-                write_manifest(directory, fingerprint, manifest)
-        heldout_ids = manifest["heldout_indices"]
-        pool, heldout = conversations[: heldout_ids[0]], [conversations[i] for i in heldout_ids]
-        train_counts, eval_counts = manifest["train_token_counts"], manifest["eval_token_counts"]
+        corpus = open_corpus(directory, fingerprint, conversations, tokenize, held, data.shard_conversations,
+                             write=self.rank == 0)
+        splits = {"train": corpus.train, "eval": corpus.eval}
+        train_counts, eval_counts = corpus.train_counts, corpus.eval_counts
+        pool = corpus.train.conversations
         count = data.num_conversations or len(pool)
         if count > len(pool):
             raise EagleLabError(f"data.num_conversations={count}, but '{data.name}' has {len(pool)} usable "
                                 f"conversations besides the {held} held out (0 = all of them)")
-        shard = data.shard_conversations
-        splits = {"train": Split("train", pool, directory / "train", shard),
-                  "eval": Split("eval", heldout, directory / "eval", shard)}
         capture_layers = self.layer_ids
         if cfg.trainer.capture_layers == "eagle3" and not capture_layers:
             capture_layers = eagle3_layer_ids(self.target.num_layers)
@@ -536,7 +514,7 @@ class Recipe:
         depth = tcfg.eval_depth
         return HeadCard(
             target=self.target.name, kind=cfg.head.kind,
-            train_conversations=getattr(self, "train_conversations", examples), train_tokens=self.train_source.tokens,
+            train_conversations=self.train_conversations or examples, train_tokens=self.train_source.tokens,
             epochs=round(self.step * per_step / examples, 3), steps=self.step,
             heldout_top1=[round(self.last_eval.get(f"eval_acc_{d}", 0.0), 4) for d in range(1, depth + 1)]
             if self.last_eval else [],
