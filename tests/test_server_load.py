@@ -86,7 +86,6 @@ def test_concurrent_clients_with_bad_ones_in_the_middle(tmp_path):
                 peak[0] = max(peak[0], running.scheduler.active)
                 time.sleep(0.002)
 
-        start = time.monotonic()
         stop = threading.Event()
         threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(CLIENTS)]
         threads += [threading.Thread(target=troublemaker), threading.Thread(target=watch, args=(stop,))]
@@ -96,15 +95,15 @@ def test_concurrent_clients_with_bad_ones_in_the_middle(tmp_path):
             thread.join(120)
         stop.set()
         threads[-1].join()
-        elapsed = time.monotonic() - start
+        unfinished = [t.name for t in threads[:-1] if t.is_alive()]
         running.wait_until(lambda: running.scheduler.active == 0)
         counts = dict(running.scheduler.counts)
 
     assert not errors, errors
+    assert not unfinished, f"clients still waiting after 120 s: {unfinished}"
     for i in range(CLIENTS):
         for kind in kinds:
             assert results[(i, kind)] == expected[kind][i], (i, kind)
     assert peak[0] >= 4  # requests really ran together
     assert active_then and active_then[0] > 0  # the bad requests came while others were decoding
     assert counts["completed"] == 3 * CLIENTS and counts["cancelled"] == 1 and counts["failed"] == 0
-    assert elapsed < 60, f"the load took {elapsed:.0f}s"
