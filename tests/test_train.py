@@ -194,3 +194,25 @@ def test_head_layer_can_start_from_the_targets_last_layer(tiny_target):
     assert not torch.equal(new_head(tiny_target).layer.mlp.down_proj.weight, last.mlp.down_proj.weight)
     with pytest.raises(EagleLabError, match="eagle2 heads only"):
         new_head(tiny_target, kind="eagle3", layer_from_target=True)
+
+
+def test_capture_dtype_is_chosen_as_configured(monkeypatch):
+    """trainer.capture_dtype: the target's own dtype by default, bf16 under auto only where it is
+    native (an explicit target.dtype wins), a clear error for anything else."""
+    from eagle_lab import trainer
+
+    def cfg(capture: str, dtype: str = "auto", device: str = "cpu") -> TrainConfig:
+        c = TrainConfig()
+        c.trainer.capture_dtype, c.target.dtype, c.target.device = capture, dtype, device
+        return c
+
+    assert trainer.training_dtype(cfg("target")) == "auto"
+    assert trainer.training_dtype(cfg("target", "float32")) == "float32"
+    assert trainer.training_dtype(cfg("bfloat16", "float32")) == "bfloat16"
+    assert trainer.training_dtype(cfg("auto", "float32")) == "float32"
+    monkeypatch.setattr(trainer, "cpu_has_bf16", lambda: True)
+    assert trainer.training_dtype(cfg("auto")) == "bfloat16"
+    monkeypatch.setattr(trainer, "cpu_has_bf16", lambda: False)
+    assert trainer.training_dtype(cfg("auto")) == "auto"
+    with pytest.raises(EagleLabError, match="capture_dtype"):
+        trainer.training_dtype(cfg("int8"))
