@@ -38,8 +38,9 @@ class Batch:
 
 
 def _unroll(head, target, batch: Batch, steps: int, noise_std: float):
-    embeds = target.embed_tokens(batch.input_ids[:, 1:])  # [B, T-1, H] embeddings of x_{p+1}
-    feats = batch.inputs[:, :-1].to(embeds.dtype)  # [B, T-1, F]
+    dtype = head.fc.weight.dtype  # the target may run in another dtype (trainer.capture_dtype)
+    embeds = target.embed_tokens(batch.input_ids[:, 1:]).to(dtype)  # [B, T-1, H] embeddings of x_{p+1}
+    feats = batch.inputs[:, :-1].to(dtype)  # [B, T-1, F]
     if noise_std > 0:
         feats = feats + (torch.rand_like(feats) - 0.5) * (noise_std * 12 ** 0.5)  # uniform, std = noise_std
     positions = torch.arange(embeds.shape[1], device=embeds.device)[None].expand(embeds.shape[0], -1)  # [B, T-1]
@@ -92,7 +93,7 @@ def heldout_accuracy(head, target, batches, depth: int) -> dict[str, float]:
     """Top-1 accuracy at draft positions 1..depth against the target's own argmax over the
     full vocabulary, and the chain tau it implies: 1 + sum_d prod_{i<=d} acc_i."""
     hits, counts = torch.zeros(depth), torch.zeros(depth)
-    rows = draft_lm_head_weight(head, target)
+    rows = draft_lm_head_weight(head, target).to(head.fc.weight.dtype)  # [Vd, H]
     for batch in batches:
         outputs = _unroll(head, target, batch, depth, 0.0)
         target_token = batch.greedy(target)[:, 1:]  # [B, T-1]

@@ -478,12 +478,12 @@ class Recipe:
                 self._log({"step": self.step, "loss": float(loss.detach()), "lr": self.engine.get_lr()[0],
                            "tokens_per_s": window_tokens * self.world / max(elapsed, 1e-9), **metrics})
                 window_tokens, window_start = 0, time.perf_counter()
+            out_of_time = tcfg.time_limit_min > 0 and time.perf_counter() - started > 60 * tcfg.time_limit_min
+            if self.step % tcfg.save_every == 0 or self.step == stop_at or out_of_time:
+                self.save_checkpoint()  # before evaluating: a long evaluation never costs trained steps
             if self.step % tcfg.eval_every == 0 or self.step == tcfg.max_steps:
                 self._log({"step": self.step, **self.evaluate()})
                 evaluated_at = self.step
-            out_of_time = tcfg.time_limit_min > 0 and time.perf_counter() - started > 60 * tcfg.time_limit_min
-            if self.step % tcfg.save_every == 0 or self.step == stop_at or out_of_time:
-                self.save_checkpoint()
             if out_of_time:
                 log.info("time limit of %.1f min reached at step %d: checkpointed; resume with "
                          "trainer.resume=true", tcfg.time_limit_min, self.step)

@@ -216,3 +216,16 @@ def test_capture_dtype_is_chosen_as_configured(monkeypatch):
     assert trainer.training_dtype(cfg("auto")) == "auto"
     with pytest.raises(EagleLabError, match="capture_dtype"):
         trainer.training_dtype(cfg("int8"))
+
+
+def test_trains_and_evaluates_against_a_bf16_target(tmp_path):
+    """trainer.capture_dtype=bfloat16: capture, training steps and the held-out evaluation all run
+    with an fp32 head beside a bf16 target (the evaluation once failed on the dtype mix)."""
+    from eagle_lab.trainer import Recipe
+
+    recipe = Recipe(smoke_cfg(tmp_path, "trainer.capture_dtype=bfloat16", "trainer.max_steps=2",
+                              "trainer.eval_every=2"))
+    recipe.setup()
+    assert recipe.target.dtype == torch.bfloat16
+    recipe.train()
+    assert recipe.step == 2 and 0.0 <= recipe.last_eval["eval_acc_1"] <= 1.0
