@@ -92,17 +92,22 @@ class Target(ModelShape):
         position_ids: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         layer_ids: tuple[int, ...] = (),
+        attention_mask: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Score `input_ids` [B, K] after the cached prefix.
 
         tree_mask: [K, K] bool, True where node i may attend to node j (ancestors and
         itself); None means plain causal attention.
+        attention_mask: a prepared additive [B, 1, K, past + K] mask instead (batched trees with
+        padded caches, eagle_lab/serving/batch.py); it overrides tree_mask.
         layer_ids: also return the hidden states entering these decoder layers (Hugging Face
         `hidden_states[i]`, where 0 is the embedding output; the convention EAGLE-3, vLLM and
         SGLang use for their auxiliary layers), concatenated on the last dim.
         """
         kwargs = {self._cache_kwarg: cache, "use_cache": cache is not None}
-        if tree_mask is not None:
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        elif tree_mask is not None:
             past = cache.get_seq_length() if cache is not None else 0
             kwargs["attention_mask"] = tree_attention_mask(tree_mask, past, self.dtype)
         if layer_ids:

@@ -131,7 +131,7 @@ def create_app(engine: Engine, scheduler: Scheduler, api_key: str = "") -> FastA
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 job.cancelled.set()
 
-        job = Job(start=lambda: engine.events(plan, name), deliver=deliver, name=name)
+        job = Job(start=lambda: engine.start(plan, name), deliver=deliver, name=name)
         try:
             scheduler.submit(job)
         except QueueFull as exc:

@@ -1,9 +1,10 @@
 """Requests -> checked decoding plans (on the HTTP side) -> event streams (on the scheduler thread).
 
 `plan_*` run in the event loop's thread before a request is queued, so every refusal (bad
-sampling values, too long, unknown model...) is a 400/404 before any model work. `events`
-runs on the scheduler thread: the same builders, Stopper and TextStream as `python serve.py`,
-so a request's tokens and text are exactly what serve.py prints for the same prompt and settings.
+sampling values, too long, unknown model...) is a 400/404 before any model work. `start`
+runs on the scheduler thread: a `Decoding` (a Sequence with the same drafter, Stopper and
+TextStream as `python serve.py`), so a request's tokens and text are exactly what serve.py
+prints for the same prompt and settings.
 Omitted request fields take the values of the serve.py keys the server was started with
 (temperature, top_p, top_k, max_new_tokens, stop, ignore_eos); an omitted seed is drawn at random.
 """
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
 
-from eagle_lab.builders import build_decoder, make_generator
+from eagle_lab.builders import make_generator
 from eagle_lab.config import ServeConfig
 from eagle_lab.draft import Drafter
 from eagle_lab.errors import EagleLabError
@@ -26,6 +27,7 @@ from eagle_lab.prompts import as_tensor, encode_prompt
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.serve import TextStream
 from eagle_lab.serving.errors import APIError
+from eagle_lab.serving.sequence import Scored, Sequence
 from eagle_lab.serving.protocol import MAX_STOP_STRINGS, NEUTRAL, ROLES, SEED_RANGE, ChatRequest, \
     CompletionRequest, SamplingFields
 from eagle_lab.target import Target
@@ -164,28 +166,44 @@ class Engine:
 
     # ---- scheduler thread: decoding ----
 
-    def events(self, plan: Plan, name: str = "") -> Iterator[Delta | Finished]:
-        """One Delta per decoding round, then Finished. Runs on the scheduler thread only."""
-        target, tokenizer = self.target, self.target.tokenizer
+    def start(self, plan: Plan, name: str = "") -> Decoding:
+        """A request's decoding state (made on the scheduler thread; the prefill runs in its first round)."""
+        target = self.target
         eos = set() if plan.ignore_eos else target.eos_token_ids
-        stopper = Stopper(tokenizer, plan.max_tokens, eos, plan.stop)
-        decoder = build_decoder(self.cfg.method, target, self.new_drafter(), as_tensor(plan.prompt_ids, target.device),
-                                plan.params, stopper, make_generator(plan.seed, target.device))
-        out = _Collector()
-        stream = TextStream(tokenizer, plan.stop, out=out)
-        try:
-            while True:
-                try:
-                    tokens = next(decoder)
-                except StopIteration as done:
-                    stats: GenerationStats = done.value
-                    break
-                stream.push(tokens)
-                yield Delta(tokens, out.take())
-        finally:
-            decoder.close()  # a cancelled request: drop its caches now
-        text = stream.text()
-        log.info("request %s: %d prompt + %d new tokens in %.2fs, %d target forwards, tau %.2f, stop=%s", name,
-                 len(plan.prompt_ids), stats.new_tokens, stats.wall_s, stats.target_forwards, stats.accept_length,
-                 stats.stop_reason)
-        yield Finished(text[stream.printed:], text, list(stream.ids), stats)
+        stopper = Stopper(target.tokenizer, plan.max_tokens, eos, plan.stop)
+        plain = self.cfg.method == "vanilla"
+        sequence = Sequence(target, None if plain else self.new_drafter(), as_tensor(plan.prompt_ids, target.device),
+                            plan.params, stopper, make_generator(plan.seed, target.device), plain=plain)
+        return Decoding(sequence, target.tokenizer, plan, name)
+
+
+class Decoding:
+    """A Sequence plus its text stream: each step returns the events the client gets this round
+    (a Delta, then Finished once the sequence is done), exactly as serve.py would print them."""
+
+    def __init__(self, sequence: Sequence, tokenizer, plan: Plan, name: str = ""):
+        self.sequence, self.plan, self.name = sequence, plan, name
+        self.out = _Collector()
+        self.stream = TextStream(tokenizer, plan.stop, out=self.out)
+
+    def prefill(self) -> list[Delta | Finished]:
+        return self._events(self.sequence.prefill())
+
+    def accept(self, scored: Scored) -> list[Delta | Finished]:
+        return self._events(self.sequence.accept(scored))
+
+    def close(self) -> None:
+        """Cancelled or failed: free the caches now."""
+        if not self.sequence.done:
+            self.sequence.finish("cancelled")
+
+    def _events(self, tokens: list[int]) -> list[Delta | Finished]:
+        self.stream.push(tokens)
+        events: list[Delta | Finished] = [Delta(tokens, self.out.take())]
+        if self.sequence.done:
+            stats, text = self.sequence.stats, self.stream.text()
+            log.info("request %s: %d prompt + %d new tokens in %.2fs, %d target forwards, tau %.2f, stop=%s",
+                     self.name, len(self.plan.prompt_ids), stats.new_tokens, stats.wall_s, stats.target_forwards,
+                     stats.accept_length, stats.stop_reason)
+            events.append(Finished(text[self.stream.printed:], text, list(self.stream.ids), stats))
+        return events

@@ -18,6 +18,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,11 +48,11 @@ class Job:
     """One request. `start` runs on the scheduler thread and returns the job's event stream:
     one `next()` per round; the stream's end is the job's end."""
 
-    start: Callable[[], Iterator[object]]
+    start: Callable[[], Any]  # Iterator[object] here; a Decoding for BatchScheduler
     deliver: Callable[[object], None]
     name: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
-    stream: Iterator[object] | None = None  # set by the scheduler thread at admission
+    stream: Any = None  # set by the scheduler thread at admission: the event stream (BatchScheduler: a Decoding)
     done: bool = False  # finished, cancelled or failed: its slot is free
 
 
@@ -118,8 +119,7 @@ class Scheduler:
         try:
             with torch.no_grad():  # grad mode is per thread
                 while self._admit():
-                    for job in list(self._active):
-                        self._advance(job)
+                    self._round(list(self._active))
                     self._active = [job for job in self._active if not job.done]
                     self._active_count = len(self._active)
         except Exception:
@@ -152,6 +152,11 @@ class Scheduler:
             self._active_count = len(self._active)
         return True
 
+    def _round(self, jobs: list[Job]) -> None:
+        """One round: each job's next event in turn (BatchScheduler scores them in one forward)."""
+        for job in jobs:
+            self._advance(job)
+
     def _advance(self, job: Job) -> None:
         """One round of one job: its next event, or its end."""
         if job.cancelled.is_set():
@@ -163,13 +168,17 @@ class Scheduler:
             job.deliver(next(job.stream))
         except StopIteration:
             self._retire(job, "completed")
-        except EagleLabError as exc:  # a user error found late (most are checked before submit)
-            job.deliver(Failed(str(exc), 400))
-            self._retire(job, "failed")
         except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
-            log.exception("request %s failed", job.name)
+            self._fail(job, exc)
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        """The job's stream raised: a user error found late (400), else a bug in this request (500)."""
+        if isinstance(exc, EagleLabError):  # most user errors are checked before submit
+            job.deliver(Failed(str(exc), 400))
+        else:
+            log.error("request %s failed", job.name, exc_info=exc)
             job.deliver(Failed(f"internal error: {type(exc).__name__}: {exc}", 500))
-            self._retire(job, "failed")
+        self._retire(job, "failed")
 
     def _retire(self, job: Job, outcome: str) -> None:
         if job.stream is not None and hasattr(job.stream, "close"):

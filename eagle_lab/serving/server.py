@@ -50,12 +50,13 @@ def build_app(cfg: ServeConfig):
     from eagle_lab.serving.app import create_app
     from eagle_lab.serving.drafters import drafter_factory
     from eagle_lab.serving.engine import Engine
-    from eagle_lab.serving.scheduler import Scheduler
+    from eagle_lab.serving.batching import BatchScheduler
     from eagle_lab.target import load_target
 
     target = load_target(cfg.target)
-    engine = Engine(cfg, target, drafter_factory(make_drafter(cfg, target)))
-    scheduler = Scheduler(cfg.server.max_batch, cfg.server.max_queue)
+    prototype = make_drafter(cfg, target)
+    engine = Engine(cfg, target, drafter_factory(prototype))
+    scheduler = BatchScheduler(cfg.server.max_batch, cfg.server.max_queue, target)
     return create_app(engine, scheduler, cfg.server.api_key), engine, scheduler
 
 

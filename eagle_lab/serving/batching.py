@@ -1,0 +1,82 @@
+"""The batched round: one target forward scores the draft trees of every active sequence.
+
+A round, on the scheduler thread, over the active jobs (continuous batching: jobs join and
+leave between rounds, Scheduler._admit):
+  1. cancelled jobs leave (their caches are freed);
+  2. jobs admitted since the last round run their prefill alone (prompts differ in length, and
+     a prefill is already a wide forward) and send their first token;
+  3. every other job drafts its tree with its own drafter, using the tree chosen for this
+     round's batch size (`trees`, from eagle_lab.tree_batch; none: the drafter's own tree);
+  4. one forward scores all trees (eagle_lab.serving.batch), or at batch 1 the sequence's
+     own forward, exactly as generate.py runs it;
+  5. each job verifies its rows with its own generator, compacts its cache, and sends its
+     tokens; finished jobs leave.
+A failure in one job's own steps fails that job alone; a failing batched forward fails the
+jobs in it (500) and the others go on.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from eagle_lab.draft import TreeShape
+from eagle_lab.serving.batch import score_together
+from eagle_lab.serving.scheduler import Job, Scheduler
+from eagle_lab.target import Target
+
+log = logging.getLogger(__name__)
+
+
+class BatchScheduler(Scheduler):
+    """Jobs' `start` must return an eagle_lab.serving.engine.Decoding."""
+
+    def __init__(self, max_batch: int, max_queue: int, target: Target, trees: dict[int, TreeShape] | None = None):
+        super().__init__(max_batch, max_queue)
+        self.target = target
+        self.trees = trees or {}  # batch size -> tree (empty: every drafter keeps its own tree)
+        self.batch_sizes: dict[int, int] = {}  # batch size -> rounds scored at that size (for /health, bench)
+
+    def _round(self, jobs: list[Job]) -> None:
+        ready = []
+        for job in jobs:
+            if job.cancelled.is_set():
+                self._retire(job, "cancelled")
+            elif job.stream is None:
+                self._step(job, lambda job=job: self._prefill(job))
+            else:
+                ready.append(job)
+        if not ready:
+            return
+        shape = self.trees.get(len(ready)) if len(ready) > 1 else None
+        drafted = [job for job in ready if self._step(job, lambda job=job: job.stream.sequence.draft(shape))]
+        if not drafted:
+            return
+        sequences = [job.stream.sequence for job in drafted]
+        try:
+            scored = [sequences[0].score_alone()] if len(drafted) == 1 else score_together(self.target, sequences)
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails its jobs, not the server
+            for job in drafted:
+                self._fail(job, exc)
+            return
+        self.batch_sizes[len(drafted)] = self.batch_sizes.get(len(drafted), 0) + 1
+        for job, row in zip(drafted, scored):
+            self._step(job, lambda job=job, row=row: self._send(job, job.stream.accept(row)))
+
+    def _prefill(self, job: Job) -> None:
+        job.stream = job.start()
+        self._send(job, job.stream.prefill())
+
+    def _send(self, job: Job, events: list) -> None:
+        for event in events:
+            job.deliver(event)
+        if job.stream.sequence.done:
+            self._retire(job, "completed")
+
+    def _step(self, job: Job, fn) -> bool:
+        """Run one of the job's own steps; False (and the job failed) when it raised."""
+        try:
+            fn()
+            return True
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+            self._fail(job, exc)
+            return False

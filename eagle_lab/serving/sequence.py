@@ -1,0 +1,147 @@
+"""One request's decoding state, advanced one round at a time so that rounds can be batched.
+
+The steps are those of eagle_lab.generate's loops (speculative_decode, vanilla_decode), split
+at the target forward so that one forward can score the trees of many sequences:
+
+  prefill()      the prompt alone (batch 1): the first token
+  draft(shape)   this round's tree: the drafter's, or the root alone (method=vanilla, or
+                 plain decoding chosen for this batch size)
+  -- the scheduler scores the tree: score_alone() (batch 1: exactly generate.py's call) or
+     eagle_lab.serving.batch.score_together() (one padded forward for all sequences) --
+  accept(scored) verify with this sequence's own generator, compact its cache, emit tokens
+
+Everything a round reads is this sequence's own (cache, drafter, torch.Generator, stopper),
+so its output does not depend on which other sequences share the forward; only the float
+rounding of a padded batched forward could differ (tests/test_server_batching.py checks
+token identity against batch 1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from eagle_lab.cache import keep_accepted
+from eagle_lab.draft import Drafter, TreeShape
+from eagle_lab.errors import EagleLabError
+from eagle_lab.generate import GenerationStats, Stopper, _check_prompt, _head_features, _ngram_counts
+from eagle_lab.sampling import SamplingParams, next_token
+from eagle_lab.target import Target
+from eagle_lab.tree import DraftTree, root_only_tree
+from eagle_lab.verify import verify
+
+
+@dataclass
+class Scored:
+    """A tree scored by the target, for one sequence."""
+
+    features: torch.Tensor  # (N, H) top features at the tree nodes
+    head_features: torch.Tensor  # (N, F) what the drafter reads at those nodes
+    keep: Callable[[torch.Tensor], None]  # accepted node indices (L,) -> the cache holds past + those
+
+
+class Sequence:
+    """plain=True is method=vanilla: no drafter, and at batch 1 the exact vanilla_decode forward."""
+
+    def __init__(self, target: Target, drafter: Drafter | None, prompt_ids: torch.Tensor, params: SamplingParams,
+                 stopper: Stopper, generator: torch.Generator | None, plain: bool = False):
+        if plain and drafter is not None:
+            raise EagleLabError("plain decoding takes no drafter")
+        self.target, self.drafter, self.prompt_ids = target, drafter, prompt_ids  # prompt_ids: (T,)
+        self.params, self.stopper, self.generator, self.plain = params, stopper, generator, plain
+        self.layer_ids = tuple(getattr(drafter, "feature_layers", ()))  # EAGLE-3 heads read several layers
+        self.own_shape: TreeShape | None = getattr(drafter, "shape", None)  # the drafter's tree at batch 1
+        self.cache = target.new_cache()
+        self.stats = GenerationStats()
+        self.reason = ""  # why it stopped ('' while running)
+        self.sequence: torch.Tensor | None = None  # (T + emitted,) committed tokens; the last is the root
+        self.unseen: torch.Tensor | None = None  # (P, F) features the drafter has not been fed yet
+        self.tree: DraftTree | None = None  # this round's tree, between draft() and accept()
+        self.start = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return bool(self.reason)
+
+    @property
+    def started(self) -> bool:
+        return self.sequence is not None
+
+    @property
+    def past(self) -> int:
+        """Entries in the target cache: every committed token but the root."""
+        return self.sequence.numel() - 1
+
+    @torch.no_grad()
+    def prefill(self) -> list[int]:
+        _check_prompt(self.target, self.prompt_ids)
+        if self.drafter is not None:
+            self.drafter.reset()
+        out = self.target.forward(self.prompt_ids[None], self.cache, layer_ids=self.layer_ids)
+        self.unseen = _head_features(out)[0] if self.drafter is not None else None  # (T, F)
+        self.stats.target_forwards += 1
+        root = next_token(self.target.logits(out.features[0, -1]), self.params, self.generator)
+        self.sequence = self.prompt_ids
+        return self._emit([root])
+
+    @torch.no_grad()
+    def draft(self, shape: TreeShape | None = None) -> DraftTree:
+        """shape: the tree for the current batch size (None: the drafter's own, as at batch 1).
+        A shape of depth 0 is plain decoding: the head is not run, and the features it did not
+        see are kept for the next round that drafts (its cache stays in step)."""
+        root = int(self.sequence[-1])
+        device = self.sequence.device
+        if self.drafter is None or (shape is not None and shape.depth == 0):
+            self.tree = root_only_tree(root, device)
+            return self.tree
+        if hasattr(self.drafter, "shape"):
+            self.drafter.shape = shape if shape is not None else self.own_shape
+        max_depth = self.target.max_context - 1 - self.past
+        self.tree = self.drafter.draft(self.sequence, self.unseen, max_depth=max_depth)
+        self.unseen = self.unseen[:0]  # fed to the drafter
+        return self.tree
+
+    @torch.no_grad()
+    def score_alone(self) -> Scored:
+        """Batch 1: the very forward generate.py runs (vanilla_decode's when plain)."""
+        tree, past = self.tree, self.past
+        if self.plain:
+            out = self.target.forward(tree.tokens[None], self.cache)  # (1, 1) token
+        else:
+            positions = (past + tree.depths)[None]  # (1, N)
+            out = self.target.forward(tree.tokens[None], self.cache, positions, tree.mask, self.layer_ids)
+        return Scored(out.features[0], _head_features(out)[0], lambda accepted: keep_accepted(self.cache, past, accepted))
+
+    @torch.no_grad()
+    def accept(self, scored: Scored) -> list[int]:
+        tree, features = self.tree, scored.features  # features: (N, H)
+        accepted, bonus = verify(tree, lambda node: self.target.logits(features[node]), self.params,
+                                 self.generator)  # (L + 1,)
+        scored.keep(accepted)
+        if self.drafter is not None:
+            self.unseen = torch.cat([self.unseen, scored.head_features[accepted]])  # (P + L + 1, F)
+        self.stats.target_forwards += 1
+        if not self.plain:
+            self.stats.record_round(tree.max_depth, accepted.numel() - 1, tree.size - 1,
+                                    *_ngram_counts(tree, accepted))
+        self.tree = None
+        return self._emit(tree.tokens[accepted[1:]].tolist() + [bonus])
+
+    def _emit(self, tokens: list[int]) -> list[int]:
+        emitted, reason = self.stopper.accept(tokens)
+        self.stats.new_tokens += len(emitted)
+        self.sequence = torch.cat([self.sequence, torch.tensor(tokens, device=self.sequence.device)])
+        if not reason and self.past >= self.target.max_context:
+            reason = "context"
+        if reason:
+            self.finish(reason)
+        return emitted
+
+    def finish(self, reason: str) -> None:
+        self.reason = reason
+        self.stats.stop_reason, self.stats.wall_s = reason, time.perf_counter() - self.start
+        self.cache = None  # free the KV cache now (a cancelled or finished sequence)
+        self.tree = self.unseen = None
