@@ -69,8 +69,9 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback only unless asked: there is no TLS
     port: int = 8000  # 0 = a free port the OS picks (logged)
     api_key: str = ""  # "" = no key; else clients send "Authorization: Bearer <key>"
-    max_batch: int = 8  # sequences decoded at once (their rounds interleave)
+    max_batch: int = 8  # sequences decoded at once (one target forward scores all their trees)
     max_queue: int = 64  # requests waiting for a slot; one more is answered 429
+    tree_per_batch: bool = True  # tree=auto: a tree per batch size, shrinking as the batch grows (tree_batch.py)
 
 
 @dataclass

@@ -412,14 +412,10 @@ def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], s
             "measured_round_ms": {"record": big_ms, "probe": small_ms, "no_draft": plain_ms}}
 
 
-def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
-              search: TreeSearchConfig | None = None, cache_dir: Path | None = None) -> TreeShape:
-    """The fastest shape for this target, head and device (measured once, cached); sets it
-    on the drafter. fixed: non-zero fields are kept as given.
-
-    With an n-gram proposer on the drafter (hybrid drafting), its chain length is chosen too
-    (up to its max_tokens): the drafter's proposer is replaced by one with the chosen length,
-    or removed when merging chains does not pay."""
+def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
+                search: TreeSearchConfig | None = None, cache_dir: Path | None = None) -> tuple[dict, CostModel, Path]:
+    """The measured summary (shapes with their tau, costs) for this target, head and device:
+    read from the cache, else measured once and cached. Returns (summary, cost model, cache file)."""
     search = search or TreeSearchConfig()
     for name, values in (("depth", search.depths), ("topk", search.topks), ("total_tokens", search.totals)):
         if getattr(fixed, name) and getattr(fixed, name) not in values:
@@ -446,6 +442,19 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
     costs = CostModel({int(k): v for k, v in cm["target_ms"].items()}, {int(k): v for k, v in cm["level_ms"].items()},
                       cm["first_level_ms"], cm["overhead_ms"], cm["overhead_per_token_ms"], cm["plain_ms"],
                       cm.get("ngram_ms", 0.0))
+    return summary, costs, path
+
+
+def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
+              search: TreeSearchConfig | None = None, cache_dir: Path | None = None) -> TreeShape:
+    """The fastest shape for this target, head and device (measured once, cached); sets it
+    on the drafter. fixed: non-zero fields are kept as given.
+
+    With an n-gram proposer on the drafter (hybrid drafting), its chain length is chosen too
+    (up to its max_tokens): the drafter's proposer is replaced by one with the chosen length,
+    or removed when merging chains does not pay."""
+    ngram = drafter.ngram
+    summary, costs, path = calibration(target, drafter, fixed, prompts, search, cache_dir)
     chosen, ranked = choose(summary["shapes"], costs, fixed)
     no_draft = 1000 / costs.round_ms(TreeShape(0, 0, 0))
     chain = int(ranked[0].get("ngram_tokens", 0))

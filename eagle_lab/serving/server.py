@@ -56,8 +56,20 @@ def build_app(cfg: ServeConfig):
     target = load_target(cfg.target)
     prototype = make_drafter(cfg, target)
     engine = Engine(cfg, target, drafter_factory(prototype))
-    scheduler = BatchScheduler(cfg.server.max_batch, cfg.server.max_queue, target)
+    scheduler = BatchScheduler(cfg.server.max_batch, cfg.server.max_queue, target, batch_trees(cfg, target, prototype))
     return create_app(engine, scheduler, cfg.server.api_key), engine, scheduler
+
+
+def batch_trees(cfg: ServeConfig, target, prototype) -> dict:
+    """tree=auto with server.tree_per_batch: the tree for each batch size (eagle_lab/tree_batch.py);
+    else {} (every sequence drafts the drafter's own tree at any batch size)."""
+    from eagle_lab.draft import EagleDrafter, TreeShape
+    from eagle_lab.tree_batch import trees_per_batch
+
+    if not (cfg.tree.auto and cfg.server.tree_per_batch and isinstance(prototype, EagleDrafter)):
+        return {}
+    fixed = TreeShape(cfg.tree.depth, cfg.tree.topk, cfg.tree.total_tokens)
+    return trees_per_batch(target, prototype, fixed, cfg.server.max_batch)
 
 
 def run_server(cfg: ServeConfig) -> None:

@@ -1,0 +1,232 @@
+"""Batched speculative decoding (eagle_lab/serving/batch.py, batching.py): one target forward
+scores the trees of several sequences, and every sequence decodes exactly as it does alone.
+
+Greedy and seeded sampling are compared token for token with generate.py run alone (same
+drafter, same seed): rows of different prompt lengths and different tree sizes share a
+forward, sequences join and leave between rounds, a cancelled one frees its slot. Sampling
+at batch > 1 is also checked against the target's exact distribution (chi-square).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.head import new_head
+from eagle_lab.ngram import NgramDrafter, NgramProposer
+from eagle_lab.prompts import as_tensor, encode_prompt
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.serving.batch import padded_mask, score_together
+from eagle_lab.serving.batching import BatchScheduler
+from eagle_lab.serving.drafters import drafter_factory, fork_eagle
+from eagle_lab.serving.engine import Engine, Finished, Plan
+from eagle_lab.serving.scheduler import Job
+from eagle_lab.serving.sequence import Sequence
+from eagle_lab.tree import build_tree
+from tests.conftest import OracleDrafter, small_vocab_target
+from tests.serving_helpers import TINY, serve_config
+from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
+
+PROMPTS = ["Hi", "Tell me a story about a dragon and a knight.", "1 2 3 1 2 3 1 2", "def add(a, b):\n    return"]
+LENGTHS = (30, 22, 27, 18)
+
+
+# ---------------------------------------------------------------- sequences, no scheduler
+
+def make_drafters(target, kinds):
+    prototype = EagleDrafter(new_head(target, seed=0), target, TreeShape(depth=3, topk=2, total_tokens=6))
+    small = EagleDrafter(new_head(target, seed=1), target, TreeShape(depth=2, topk=2, total_tokens=3))
+    made = {"eagle": lambda: fork_eagle(prototype), "eagle-small": lambda: fork_eagle(small),
+            "oracle": lambda: OracleDrafter(target, depth=4), "ngram": lambda: NgramDrafter(NgramProposer(1, 3, 4)),
+            "vanilla": lambda: None}
+    return [made[kind]() for kind in kinds]
+
+
+def alone(target, drafter, prompt, params, length, seed) -> tuple[list[int], int]:
+    """generate.py at batch 1: (tokens, target forwards)."""
+    stopper, generator = Stopper(target.tokenizer, length, set()), torch.Generator().manual_seed(seed)
+    decoder = (vanilla_decode(target, prompt, params, stopper, generator) if drafter is None
+               else speculative_decode(target, drafter, prompt, params, stopper, generator))
+    result = generate(decoder)
+    return result.token_ids, result.stats.target_forwards
+
+
+def together(target, drafters, prompts, params, lengths, seeds, record=None) -> list[tuple[list[int], int]]:
+    """The same sequences, every round of all of them scored in one padded forward."""
+    sequences = [Sequence(target, d, p, params, Stopper(target.tokenizer, n, set()), torch.Generator().manual_seed(s),
+                          plain=d is None) for d, p, n, s in zip(drafters, prompts, lengths, seeds)]
+    tokens = [s.prefill() for s in sequences]
+    live = [i for i, s in enumerate(sequences) if not s.done]
+    while live:
+        for i in live:
+            sequences[i].draft()
+        rows = [sequences[i] for i in live]
+        if record is not None:
+            record.append(([s.tree.size for s in rows], [s.past for s in rows]))
+        scored = score_together(target, rows) if len(rows) > 1 else [rows[0].score_alone()]
+        for i, row in zip(live, scored):
+            tokens[i] += sequences[i].accept(row)
+        live = [i for i in live if not sequences[i].done]
+    return [(t, s.stats.target_forwards) for t, s in zip(tokens, sequences)]
+
+
+def encoded(target, prompts):
+    return [as_tensor(encode_prompt(target.tokenizer, p, chat=False), target.device) for p in prompts]
+
+
+@pytest.mark.parametrize("kinds", [("eagle", "eagle", "eagle"), ("eagle", "oracle", "ngram", "eagle-small"),
+                                   ("vanilla", "vanilla", "vanilla", "vanilla")], ids=["eagle3", "mixed4", "vanilla4"])
+def test_greedy_batched_equals_alone(tiny_target, kinds):
+    prompts, lengths = encoded(tiny_target, PROMPTS[:len(kinds)]), LENGTHS[:len(kinds)]
+    expected = [alone(tiny_target, d, p, SamplingParams(), n, 0)
+                for d, p, n in zip(make_drafters(tiny_target, kinds), prompts, lengths)]
+    rounds = []
+    got = together(tiny_target, make_drafters(tiny_target, kinds), prompts, SamplingParams(), lengths,
+                   [0] * len(kinds), rounds)
+    assert got == expected  # tokens and target forwards
+    assert [len(t) for t, _ in got] == list(lengths)
+    batched = [r for r in rounds if len(r[0]) > 1]
+    assert len(batched) >= 5 and any(len(set(pasts)) > 1 for _, pasts in batched)  # ragged caches
+    if kinds[1] == "oracle":
+        assert any(len(set(sizes)) > 1 for sizes, _ in batched)  # ragged trees in one forward
+
+
+@pytest.mark.parametrize("kinds", [("eagle", "oracle", "ngram"), ("vanilla", "vanilla", "vanilla")],
+                         ids=["mixed", "vanilla"])
+def test_seeded_sampling_batched_equals_alone(tiny_llama, kinds):
+    """Each sequence draws from its own generator: the same seed gives the same tokens at any batch."""
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    prompts, lengths, seeds = encoded(tiny_llama, PROMPTS[:3]), LENGTHS[:3], (3, 4, 5)
+    expected = [alone(tiny_llama, d, p, params, n, s)
+                for d, p, n, s in zip(make_drafters(tiny_llama, kinds), prompts, lengths, seeds)]
+    got = together(tiny_llama, make_drafters(tiny_llama, kinds), prompts, params, lengths, seeds)
+    assert got == expected
+
+
+def test_padded_mask_sees_own_past_and_ancestors_only():
+    chain = build_tree(torch.tensor([7, 8]), torch.tensor([-1, 0]))  # root -> a
+    fork = build_tree(torch.tensor([5, 6, 9]), torch.tensor([-1, 0, 0]))  # root -> b, root -> c
+    mask = padded_mask([4, 2], [chain, fork], torch.float32, torch.device("cpu"))
+    assert mask.shape == (2, 1, 3, 4 + 3)
+    seen = (mask[:, 0] == 0).int().tolist()  # (B, N, P + N)
+    assert seen[0] == [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0, 1]]  # padded query: itself
+    assert seen[1] == [[1, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 1, 0, 1]]  # padding past unseen
+
+
+def test_sampling_at_batch_four_keeps_the_target_distribution():
+    """Four sequences per forward (two prompts of different lengths, each row its own seed),
+    every row's 3-token sample tallied per prompt: both must follow the target's exact
+    sequence distribution (the chi-square test of test_sampling_lossless, whose negative
+    controls show it rejects a wrong acceptance rule)."""
+    target = small_vocab_target()
+    params = SamplingParams(temperature=0.9)
+    prompts = [torch.tensor([1, 4, 2, 0]), torch.tensor([3, 1, 4, 2, 0, 1, 3])]
+    prototype = EagleDrafter(new_head(target, seed=4), target, TreeShape(depth=2, topk=2, total_tokens=4))
+    length, groups = 3, 1000
+    counts: list[dict] = [{}, {}]
+    accepted = 0
+    for group in range(groups):
+        sequences = [Sequence(target, fork_eagle(prototype), prompts[row % 2], params, Stopper(target.tokenizer, length,
+                                                                                              set()),
+                              torch.Generator().manual_seed(4 * group + row)) for row in range(4)]
+        tokens = [s.prefill() for s in sequences]
+        live = [i for i, s in enumerate(sequences) if not s.done]
+        while live:
+            rows = [sequences[i] for i in live]
+            for s in rows:
+                s.draft()
+            for i, row in zip(live, score_together(target, rows) if len(rows) > 1 else [rows[0].score_alone()]):
+                tokens[i] += sequences[i].accept(row)
+            live = [i for i in live if not sequences[i].done]
+        for row, (s, t) in enumerate(zip(sequences, tokens)):
+            counts[row % 2][tuple(t)] = counts[row % 2].get(tuple(t), 0) + 1
+            accepted += s.stats.accepted_draft_tokens > 0
+    samples = 2 * groups
+    assert 0.1 * 2 * samples < accepted < 2 * samples  # drafts were accepted, but not always
+    for prompt, observed in zip(prompts, counts):
+        expected = exact_sequence_probs(target, prompt, params, length)
+        assert chi_square_pvalue(observed, expected, samples) > ALPHA
+
+
+# ---------------------------------------------------------------- the batch scheduler
+
+class Client:
+    """One job's events, collected on the scheduler thread."""
+
+    def __init__(self, engine: Engine, plan: Plan, name: str, cancel_after: int = 0):
+        self.events, self.finished, self.decoding = [], threading.Event(), None
+        self.cancel_after = cancel_after
+
+        def start():
+            self.decoding = engine.start(plan, name)
+            return self.decoding
+
+        self.job = Job(start=start, deliver=self.deliver, name=name)
+
+    def deliver(self, event) -> None:
+        self.events.append(event)
+        if self.cancel_after and len(self.events) == self.cancel_after:
+            self.job.cancelled.set()  # what the app does when the client goes away
+        if isinstance(event, Finished) or not hasattr(event, "token_ids"):
+            self.finished.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for e in self.events if not isinstance(e, Finished) for t in e.token_ids]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama) -> Engine:
+    prototype = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(depth=3, topk=2, total_tokens=6))
+    return Engine(serve_config(*TINY), tiny_llama, drafter_factory(prototype))
+
+
+def plan(engine: Engine, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0) -> Plan:
+    return Plan(encode_prompt(engine.target.tokenizer, prompt, chat=False), SamplingParams(temperature), max_tokens,
+                [], True, seed)
+
+
+def expected_alone(engine: Engine, p: Plan) -> list[int]:
+    stopper = Stopper(engine.target.tokenizer, p.max_tokens, set())
+    decoder = speculative_decode(engine.target, engine.new_drafter(), as_tensor(p.prompt_ids, engine.target.device),
+                                 p.params, stopper, torch.Generator().manual_seed(p.seed))
+    return generate(decoder).token_ids
+
+
+def test_sequences_join_and_leave_between_rounds(engine):
+    """max_batch 3, six requests of different lengths (two sampled): later ones join as earlier ones
+    finish, two more arrive while the batch runs; each equals its run alone."""
+    plans = [plan(engine, f"Request {i}: {'x' * (3 * i)}", n, t, seed=i)
+             for i, (n, t) in enumerate([(12, 0), (40, 0), (20, 0.8), (30, 0), (16, 0.8), (25, 0)])]
+    scheduler = BatchScheduler(max_batch=3, max_queue=8, target=engine.target)
+    clients = [Client(engine, p, f"r{i}") for i, p in enumerate(plans)]
+    for client in clients[:4]:
+        scheduler.submit(client.job)
+    scheduler.start()
+    clients[0].finished.wait(60)
+    for client in clients[4:]:  # arrive mid-batch
+        scheduler.submit(client.job)
+    scheduler.stop(timeout=120)
+    assert [c.tokens for c in clients] == [expected_alone(engine, p) for p in plans]
+    assert scheduler.counts["completed"] == 6
+    assert scheduler.batch_sizes.get(3, 0) >= 3 and min(scheduler.batch_sizes) < 3  # it batched, then shrank
+
+
+def test_cancelled_sequence_frees_its_slot_and_cache(engine):
+    long, other, waiting = plan(engine, "a long one", 400), plan(engine, "the other one", 30), plan(engine, "next", 20)
+    scheduler = BatchScheduler(max_batch=2, max_queue=4, target=engine.target)
+    clients = [Client(engine, long, "long", cancel_after=4), Client(engine, other, "other"),
+               Client(engine, waiting, "waiting")]
+    for client in clients:
+        scheduler.submit(client.job)
+    scheduler.start()
+    scheduler.stop(timeout=120)
+    cancelled = clients[0]
+    assert len(cancelled.events) == 4 and not cancelled.finished.is_set()  # no round after the cancel
+    assert cancelled.decoding.sequence.cache is None and cancelled.decoding.sequence.stats.stop_reason == "cancelled"
+    assert clients[1].tokens == expected_alone(engine, other) and clients[2].tokens == expected_alone(engine, waiting)
+    assert scheduler.counts["cancelled"] == 1 and scheduler.counts["completed"] == 2 and scheduler.active == 0
