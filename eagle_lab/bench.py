@@ -75,7 +75,12 @@ class BenchContext:
 
 
 def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, Any]:
-    """Run every method at every temperature; write results.json, results.md, bench.png; print the table."""
+    """Run every method at every temperature; write results.json, results.md, bench.png; print the table.
+    With bench.concurrency set: the batched server's concurrency sweep instead (eagle_lab/bench_sweep.py)."""
+    if cfg.bench.concurrency:
+        from eagle_lab.bench_sweep import run_sweep
+
+        return run_sweep(cfg, resolve_run_dir(out_dir))
     validate_bench(cfg)
     prompts = load_bench_prompts(cfg.bench.dataset, cfg.bench.limit)
     run_dir = resolve_run_dir(out_dir)

@@ -122,3 +122,65 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_sweep(results: dict[str, Any], run_dir: Path) -> str:
+    """The concurrency sweep (eagle_lab/bench_sweep.py): sweep.json, sweep.md (also printed), sweep.png."""
+    (run_dir / "sweep.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    cfg = results["config"]
+    lines = [
+        f"## Concurrency sweep: {cfg['target']} on {cfg['dataset']}",
+        "",
+        f"{cfg['prompts']} prompts per level, max_new_tokens {cfg['max_new_tokens']}, ignore_eos {cfg['ignore_eos']}, "
+        f"device {cfg['device']} ({cfg['dtype']}){', tree=auto' if cfg['tree_auto'] else ''}; "
+        "closed-loop clients, max_batch = concurrency",
+        "",
+        "| T | method | clients | tokens/s | latency p50 (s) | p95 (s) | tree at this batch | rounds per batch size | "
+        "greedy mismatches (vs c=1 / vs vanilla) |",
+        "|---|---|---:|---:|---:|---:|---|---|---|",
+    ]
+    for row in results["rows"]:
+        mismatch = "-" if row["greedy_mismatches"] is None else (
+            f"{row['greedy_mismatches']}/{row['requests']} / "
+            f"{'-' if row['vanilla_mismatches'] is None else row['vanilla_mismatches']}")
+        sizes = ", ".join(f"{b}: {n}" for b, n in row["batch_sizes"].items())
+        lines.append(f"| {row['temperature']} | {row['method']} | {row['concurrency']} | {row['tokens_per_s']:.1f} | "
+                     f"{row['latency_p50_s']:.2f} | {row['latency_p95_s']:.2f} | {row['tree']} | {sizes} | "
+                     f"{mismatch} |")
+    table = "\n".join(lines) + "\n"
+    (run_dir / "sweep.md").write_text(table, encoding="utf-8")
+    plot_sweep(results, run_dir / "sweep.png")
+    print(table, flush=True)
+    log.info("wrote %s, %s and %s", run_dir / "sweep.json", run_dir / "sweep.md", run_dir / "sweep.png")
+    return table
+
+
+def plot_sweep(results: dict[str, Any], path: Path) -> None:
+    """Two panels against the number of concurrent clients: total tokens/s, and latency p50 (p95 dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    keys = sorted({(r["method"], r["temperature"]) for r in results["rows"]})
+    for method, temperature in keys:
+        rows = sorted((r for r in results["rows"] if (r["method"], r["temperature"]) == (method, temperature)),
+                      key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rows]
+        label = f"{method} T={temperature}"
+        left.plot(xs, [r["tokens_per_s"] for r in rows], marker="o", label=label)
+        line, = right.plot(xs, [r["latency_p50_s"] for r in rows], marker="o", label=f"{label} p50")
+        right.plot(xs, [r["latency_p95_s"] for r in rows], linestyle="--", color=line.get_color(), label=f"{label} p95")
+    levels = results["config"]["concurrency"]
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(levels, [str(c) for c in levels])
+        axis.legend(fontsize=8)
+    left.set(title="Total throughput", xlabel="concurrent clients", ylabel="tokens/s")
+    right.set(title="Per-request latency", xlabel="concurrent clients", ylabel="seconds")
+    cfg = results["config"]
+    fig.suptitle(f"{cfg['target']}: batched serving ({cfg['prompts']} prompts, {cfg['device']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -60,6 +60,7 @@ class BenchConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     warmup: int = 1
     update_card: bool = False  # mt_bench: write eagle's tau per temperature into the head's card.json
+    concurrency: list[int] = field(default_factory=list)  # e.g. [1,2,4,8]: the batched server sweep (bench_sweep.py)
 
 
 @dataclass

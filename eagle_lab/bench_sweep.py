@@ -1,0 +1,183 @@
+"""`python serve.py mode=bench bench.concurrency=[1,2,4,8]`: the server's batched decoding under load.
+
+For each method the server can batch (eagle, vanilla, ngram; others in bench.methods are
+skipped), each temperature and each concurrency c: c closed-loop clients send the bench
+prompts through the server's own BatchScheduler (in process, no HTTP; max_batch = c), each
+client sending its next prompt when its last one finished. Reported per (method, c):
+  total tokens/s   all new tokens / wall time of the level
+  latency p50/p95  per request, from submission to its last token
+  batch sizes      rounds scored at each batch size (how full the batch really was)
+  tree             the tree each batch size drafts (tree=auto: from eagle_lab/tree_batch.py)
+  greedy mismatch  at T=0, requests whose tokens differ from the same method at c = 1 and
+                   from vanilla at c = 1 (batching is lossless: both must be 0)
+Results go to sweep.json, sweep.md and sweep.png in the run directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eagle_lab.bench_data import load_bench_prompts
+from eagle_lab.config import ServeConfig
+from eagle_lab.draft import EagleDrafter
+from eagle_lab.errors import EagleLabError
+from eagle_lab.prompts import encode_prompt
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import Target, load_target
+
+log = logging.getLogger(__name__)
+BATCHABLE = ("eagle", "vanilla", "ngram")
+
+
+def validate_sweep(cfg: ServeConfig) -> list[str]:
+    """The methods to sweep; EagleLabError on bad concurrency values."""
+    levels = list(cfg.bench.concurrency)
+    if any(c < 1 for c in levels) or len(set(levels)) != len(levels):
+        raise EagleLabError(f"bench.concurrency needs distinct values >= 1, got {levels}")
+    methods = [m for m in cfg.bench.methods if m in BATCHABLE]
+    skipped = [m for m in cfg.bench.methods if m not in BATCHABLE]
+    if skipped:
+        log.info("bench.concurrency: %s not served by the batched scheduler: skipped", ", ".join(skipped))
+    if not methods:
+        raise EagleLabError(f"bench.concurrency sweeps {', '.join(BATCHABLE)}; bench.methods has none of them")
+    if not cfg.bench.temperatures:
+        raise EagleLabError("bench.temperatures is empty (e.g. bench.temperatures=[0.0])")
+    for temperature in cfg.bench.temperatures:
+        SamplingParams(temperature, cfg.top_k, cfg.top_p)
+    return sorted(methods, key=lambda m: m != "vanilla")  # vanilla first: the greedy reference
+
+
+def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
+    from eagle_lab.bench_report import write_sweep
+
+    methods = validate_sweep(cfg)
+    prompts = load_bench_prompts(cfg.bench.dataset, cfg.bench.limit)
+    target = load_target(cfg.target)
+    encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]
+    levels = sorted(cfg.bench.concurrency)
+    if levels[-1] > len(encoded):
+        log.warning("bench.concurrency %d > %d prompts: the batch can never fill (raise bench.limit)", levels[-1],
+                    len(encoded))
+    rows, trees = [], {}
+    for method in methods:
+        engine, batch_trees = _engine(cfg, method, target, max(levels))
+        trees[method] = batch_trees
+        for temperature in cfg.bench.temperatures:
+            params = SamplingParams(temperature, cfg.top_k, cfg.top_p)
+            if cfg.bench.warmup:
+                run_level(engine, target, batch_trees, encoded[: cfg.bench.warmup], params, cfg, 1)  # untimed
+            for level in levels:
+                log.info("sweep: %s at T=%g, %d concurrent clients, %d prompts", method, temperature, level,
+                         len(encoded))
+                result = run_level(engine, target, batch_trees, encoded, params, cfg, level)
+                rows.append({"method": method, "temperature": float(temperature), "concurrency": level,
+                             **result, "tree": tree_label(batch_trees, level)})
+    mark_mismatches(rows)
+    results = {"config": {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
+                          "dataset": cfg.bench.dataset, "prompts": len(encoded), "max_new_tokens": cfg.max_new_tokens,
+                          "ignore_eos": cfg.ignore_eos, "tree_auto": cfg.tree.auto, "methods": methods,
+                          "concurrency": levels},
+               "trees": {m: {str(b): s for b, s in t["shapes"].items()} for m, t in trees.items()},
+               "rows": rows}
+    write_sweep(results, run_dir)
+    return results
+
+
+def _engine(cfg: ServeConfig, method: str, target: Target, max_batch: int):
+    """The server's engine for `method`, and its tree per batch size ({batch: shape dict or 'plain'})."""
+    from eagle_lab.serve import make_drafter
+    from eagle_lab.serving.drafters import drafter_factory
+    from eagle_lab.serving.engine import Engine
+    from eagle_lab.serving.server import batch_trees
+
+    method_cfg = replace(cfg, method=method, server=replace(cfg.server, max_batch=max_batch))
+    prototype = make_drafter(method_cfg, target)
+    trees = batch_trees(method_cfg, target, prototype)
+    own = asdict(prototype.shape) if isinstance(prototype, EagleDrafter) else None
+    shapes = {b: (asdict(trees[b]) if b in trees else own) for b in range(1, max_batch + 1)}
+    return Engine(method_cfg, target, drafter_factory(prototype)), {"shapes": shapes, "trees": trees}
+
+
+def tree_label(batch_trees: dict, batch: int) -> str:
+    shape = batch_trees["shapes"].get(batch)
+    if shape is None:
+        return "-"
+    if shape["depth"] == 0:
+        return "plain (no draft)"
+    return f"d{shape['depth']} k{shape['topk']} n{shape['total_tokens']}"
+
+
+def run_level(engine, target: Target, batch_trees: dict, encoded: list[list[int]], params: SamplingParams,
+              cfg: ServeConfig, level: int) -> dict[str, Any]:
+    """All prompts through a fresh BatchScheduler (max_batch = level) from `level` closed-loop clients."""
+    from eagle_lab.serving.batching import BatchScheduler
+    from eagle_lab.serving.engine import Finished, Plan
+    from eagle_lab.serving.scheduler import Job
+
+    scheduler = BatchScheduler(level, len(encoded) + level, target, batch_trees["trees"])
+    plans = [Plan(ids, params, cfg.max_new_tokens, [], cfg.ignore_eos, cfg.seed) for ids in encoded]
+    outputs: list[list[int] | None] = [None] * len(plans)
+    latency = [0.0] * len(plans)
+    errors: list[str] = []
+    lock, cursor = threading.Lock(), [0]
+
+    def client() -> None:
+        while True:
+            with lock:
+                index, cursor[0] = cursor[0], cursor[0] + 1
+            if index >= len(plans):
+                return
+            done, last = threading.Event(), []
+
+            def deliver(event, last=last, done=done) -> None:  # on the scheduler thread
+                if isinstance(event, Finished) or not hasattr(event, "token_ids"):
+                    last.append(event)
+                    done.set()
+
+            start = time.perf_counter()
+            scheduler.submit(Job(start=lambda p=plans[index]: engine.start(p, f"sweep-{index}"), deliver=deliver,
+                                 name=f"sweep-{index}"))
+            done.wait()
+            latency[index] = time.perf_counter() - start
+            if isinstance(last[0], Finished):
+                outputs[index] = last[0].token_ids
+            else:
+                errors.append(f"prompt {index}: {last[0].message}")
+
+    scheduler.start()
+    threads = [threading.Thread(target=client) for _ in range(level)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    scheduler.stop()
+    if errors:
+        raise EagleLabError(f"sweep requests failed: {'; '.join(errors)}")
+    new_tokens = sum(len(o) for o in outputs)
+    return {"requests": len(plans), "new_tokens": new_tokens, "wall_s": wall, "tokens_per_s": new_tokens / wall,
+            "latency_p50_s": float(np.percentile(latency, 50)), "latency_p95_s": float(np.percentile(latency, 95)),
+            "batch_sizes": {str(b): n for b, n in sorted(scheduler.batch_sizes.items())}, "token_ids": outputs}
+
+
+def mark_mismatches(rows: list[dict[str, Any]]) -> None:
+    """At T=0: each row's requests that differ from its method at the lowest concurrency and from vanilla."""
+    for row in rows:
+        row["greedy_mismatches"] = row["vanilla_mismatches"] = None
+        if row["temperature"] != 0.0:
+            continue
+        same = [r for r in rows if r["temperature"] == 0.0 and r["method"] == row["method"]]
+        base = min(same, key=lambda r: r["concurrency"])
+        row["greedy_mismatches"] = sum(a != b for a, b in zip(row["token_ids"], base["token_ids"]))
+        vanilla = [r for r in rows if r["temperature"] == 0.0 and r["method"] == "vanilla"]
+        if vanilla:
+            ref = min(vanilla, key=lambda r: r["concurrency"])
+            row["vanilla_mismatches"] = sum(a != b for a, b in zip(row["token_ids"], ref["token_ids"]))
