@@ -9,6 +9,7 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from tests.serving_helpers import TINY, RunningServer, reference, serve_config
 
@@ -107,3 +108,38 @@ def test_concurrent_clients_with_bad_ones_in_the_middle(tmp_path):
     assert peak[0] >= 4  # requests really ran together
     assert active_then and active_then[0] > 0  # the bad requests came while others were decoding
     assert counts["completed"] == 3 * CLIENTS and counts["cancelled"] == 1 and counts["failed"] == 0
+
+
+@pytest.mark.slow
+def test_eight_concurrent_greedy_requests_on_smollm2_equal_batch_one(tmp_path):
+    """The embedded SmolLM2 target with its packaged head (tree=cpu): 8 concurrent chat requests,
+    scored together in padded batched forwards, each equal to serve.py's batch-1 output."""
+    overrides = ["target=smollm2_135m", "tree=cpu"]
+    questions = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
+                 "Write a haiku about rain.", "Who wrote Hamlet?", "Explain gravity in one sentence.",
+                 "List two fruits that are red.", "What does a compiler do?"]
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    expected = reference([*overrides, "max_new_tokens=20", "temperature=0", "ignore_eos=true"], chats, tmp_path)
+    results: dict[int, list[int]] = {}
+    errors: list[str] = []
+    with RunningServer(serve_config(*overrides, "server.max_batch=8")) as running:
+        client = running.client(timeout=600)
+
+        def ask(i: int) -> None:
+            try:
+                got = client.chat.completions.create(model="smollm2_135m", messages=chats[i], max_tokens=20,
+                                                     temperature=0, extra_body={"ignore_eos": True})
+                results[i] = got.eagle_lab["token_ids"]
+            except Exception as exc:  # noqa: BLE001 - collected and reported below
+                errors.append(f"request {i}: {exc!r}")
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(chats))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(600)
+        sizes = dict(running.scheduler.batch_sizes)
+    assert not errors, errors
+    mismatched = [i for i in range(len(chats)) if results.get(i) != expected[i]["token_ids"]]
+    assert not mismatched, f"requests {mismatched} differ from batch 1"
+    assert max(sizes) >= 4, sizes  # they really shared forwards
