@@ -100,3 +100,47 @@ def score_together(target: Target, sequences: list[Sequence]) -> list[Scored]:
             scatter_row(batched, cache, row, past, width, accepted)
         scored.append(Scored(out.features[row, :tree.size], head[row, :tree.size], keep))  # (n_i, H), (n_i, F)
     return scored
+
+
+@torch.no_grad()
+def time_gather_and_forward(target: Target, batch: int, past: int, nodes: int, reps: int = 3) -> dict[str, float]:
+    """ms of the gather + scatter copies and of the forward they feed, for `batch` rows of `past`
+    cached tokens scoring `nodes`-token chains (the comparison the module docstring makes)."""
+    import statistics
+    import time
+
+    from eagle_lab.tree import build_tree
+
+    g = torch.Generator().manual_seed(0)
+    cache = target.new_cache()
+    target.forward(torch.randint(0, target.vocab_size, (1, past), generator=g).to(target.device), cache)
+    ids = torch.randint(0, target.vocab_size, (batch, nodes), generator=g).to(target.device)  # (B, N)
+    chain = build_tree(ids[0], torch.arange(-1, nodes - 1, device=target.device))
+    mask = padded_mask([past] * batch, [chain] * batch, target.dtype, target.device)  # (B, 1, N, P + N)
+    positions = (past + chain.depths).expand(batch, nodes)  # (B, N)
+    accepted = torch.arange(min(nodes, 3), device=target.device)
+    copies, forwards = [], []
+    for _ in range(reps + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        batched = gather_caches(target, [cache] * batch, past)
+        gathered = time.perf_counter()
+        target.forward(ids, batched, positions, attention_mask=mask)
+        scored = time.perf_counter()
+        for row in range(batch):
+            scatter_row(batched, target.new_cache(), row, past, past, accepted)
+        copies.append(1000 * (gathered - start + time.perf_counter() - scored))
+        forwards.append(1000 * (scored - gathered))
+    return {"copies_ms": statistics.median(copies[1:]), "forward_ms": statistics.median(forwards[1:])}
+
+
+if __name__ == "__main__":  # python -m eagle_lab.serving.batch [target] : the copies vs the forward
+    import sys
+
+    from eagle_lab.target import TargetConfig, load_target
+
+    loaded = load_target(TargetConfig(name=sys.argv[1] if len(sys.argv) > 1 else "smollm2_135m",
+                                      source="tiny" if len(sys.argv) > 1 and "tiny" in sys.argv[1] else "embedded"))
+    for b, p, n in ((2, 256, 13), (4, 256, 13), (8, 256, 13), (8, 1024, 13), (8, 256, 1)):
+        costs = time_gather_and_forward(loaded, b, p, n)
+        print(f"batch {b}, past {p}, {n} nodes/row: gather+scatter {costs['copies_ms']:.1f} ms, "
+              f"forward {costs['forward_ms']:.1f} ms", flush=True)

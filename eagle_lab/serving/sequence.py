@@ -94,11 +94,13 @@ class Sequence:
         see are kept for the next round that drafts (its cache stays in step)."""
         root = int(self.sequence[-1])
         device = self.sequence.device
-        if self.drafter is None or (shape is not None and shape.depth == 0):
+        effective = shape if shape is not None else self.own_shape
+        plain = effective is not None and effective.depth == 0 and getattr(self.drafter, "ngram", None) is None
+        if self.drafter is None or plain:  # (with n-gram branches, depth 0 is n-gram drafting alone)
             self.tree = root_only_tree(root, device)
             return self.tree
         if hasattr(self.drafter, "shape"):
-            self.drafter.shape = shape if shape is not None else self.own_shape
+            self.drafter.shape = effective
         max_depth = self.target.max_context - 1 - self.past
         self.tree = self.drafter.draft(self.sequence, self.unseen, max_depth=max_depth)
         self.unseen = self.unseen[:0]  # fed to the drafter
