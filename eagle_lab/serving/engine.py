@@ -1,4 +1,4 @@
-"""Requests -> checked decoding plans (on the HTTP side) -> event streams (on the scheduler thread).
+"""Requests -> checked decoding plans (on the HTTP side) -> Decodings (on the scheduler thread).
 
 `plan_*` run in the event loop's thread before a request is queued, so every refusal (bad
 sampling values, too long, unknown model...) is a 400/404 before any model work. `start`
@@ -27,9 +27,9 @@ from eagle_lab.prompts import as_tensor, encode_prompt
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.serve import TextStream
 from eagle_lab.serving.errors import APIError
-from eagle_lab.serving.sequence import Scored, Sequence
 from eagle_lab.serving.protocol import MAX_STOP_STRINGS, NEUTRAL, ROLES, SEED_RANGE, ChatRequest, \
     CompletionRequest, SamplingFields
+from eagle_lab.serving.sequence import Scored, Sequence
 from eagle_lab.target import Target
 
 log = logging.getLogger(__name__)
