@@ -5,9 +5,11 @@ HTTP handlers `submit` jobs into a bounded waiting list (full: `QueueFull`, the 
 429, so memory stays bounded) and receive events through the job's `deliver` callback, which
 hands them to the handler's event loop (loop.call_soon_threadsafe). Continuous scheduling:
 up to `max_batch` jobs are active; between rounds finished or cancelled jobs leave and
-waiting jobs join, first come first served. A round advances every active job by one step of
-its own event stream (one decoding round of its own generator, cache, drafter and
-torch.Generator), so a job's output does not depend on who else is active.
+waiting jobs join, first come first served. Here a round advances every active job by one step
+of its own event stream, one job after another (jobs with plain iterators, as in the scheduler
+tests); the server runs BatchScheduler (batching.py), whose round scores all jobs' draft trees
+in one target forward. Either way each job keeps its own cache, drafter and torch.Generator,
+so its output does not depend on who else is active.
 `deliver` must not block or raise: the app's callback swallows a closed event loop.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
