@@ -230,3 +230,27 @@ def test_cancelled_sequence_frees_its_slot_and_cache(engine):
     assert cancelled.decoding.sequence.cache is None and cancelled.decoding.sequence.stats.stop_reason == "cancelled"
     assert clients[1].tokens == expected_alone(engine, other) and clients[2].tokens == expected_alone(engine, waiting)
     assert scheduler.counts["cancelled"] == 1 and scheduler.counts["completed"] == 2 and scheduler.active == 0
+
+
+def test_a_failing_batched_forward_fails_its_jobs_and_the_server_goes_on(engine, monkeypatch):
+    import eagle_lab.serving.batching as batching
+
+    def broken(target, sequences):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(batching, "score_together", broken)
+    scheduler = BatchScheduler(max_batch=2, max_queue=4, target=engine.target)
+    first = [Client(engine, plan(engine, f"doomed {i}", 10), f"d{i}") for i in range(2)]
+    for client in first:
+        scheduler.submit(client.job)
+    scheduler.start()
+    for client in first:
+        assert client.finished.wait(60)
+    assert all(c.events[-1].status == 500 and "simulated" in c.events[-1].message for c in first)
+    monkeypatch.undo()
+    later = plan(engine, "after the failure", 12)
+    survivor = Client(engine, later, "later")
+    scheduler.submit(survivor.job)
+    scheduler.stop(timeout=60)
+    assert survivor.tokens == expected_alone(engine, later) and scheduler.counts["failed"] == 2
+    assert all(c.decoding.sequence.cache is None for c in first)  # their caches were freed
