@@ -20,7 +20,7 @@ from eagle_lab.head import new_head
 from eagle_lab.ngram import NgramDrafter, NgramProposer
 from eagle_lab.prompts import as_tensor, encode_prompt
 from eagle_lab.sampling import SamplingParams
-from eagle_lab.serving.batch import padded_mask, score_together
+from eagle_lab.serving.batch import PaddedBatch, padded_mask
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory, fork_eagle
 from eagle_lab.serving.engine import Engine, Finished, Plan
@@ -61,16 +61,21 @@ def together(target, drafters, prompts, params, lengths, seeds, record=None) -> 
                           plain=d is None) for d, p, n, s in zip(drafters, prompts, lengths, seeds)]
     tokens = [s.prefill() for s in sequences]
     live = [i for i, s in enumerate(sequences) if not s.done]
+    batch = PaddedBatch(target)
     while live:
         for i in live:
             sequences[i].draft()
         rows = [sequences[i] for i in live]
         if record is not None:
             record.append(([s.tree.size for s in rows], [s.past for s in rows]))
-        scored = score_together(target, rows) if len(rows) > 1 else [rows[0].score_alone()]
+        if len(rows) == 1:
+            batch.release()
+        scored = batch.score(rows) if len(rows) > 1 else [rows[0].score_alone()]
         for i, row in zip(live, scored):
             tokens[i] += sequences[i].accept(row)
         live = [i for i in live if not sequences[i].done]
+    if record is not None:
+        record.append(batch.gathers)
     return [(t, s.stats.target_forwards) for t, s in zip(tokens, sequences)]
 
 
@@ -89,7 +94,9 @@ def test_greedy_batched_equals_alone(tiny_target, kinds):
                    [0] * len(kinds), rounds)
     assert got == expected  # tokens and target forwards
     assert [len(t) for t, _ in got] == list(lengths)
+    gathers, rounds = rounds[-1], rounds[:-1]
     batched = [r for r in rounds if len(r[0]) > 1]
+    assert gathers == len({len(r[0]) for r in batched})  # the padded cache is rebuilt only when one leaves
     assert len(batched) >= 5 and any(len(set(pasts)) > 1 for _, pasts in batched)  # ragged caches
     if kinds[1] == "oracle":
         assert any(len(set(sizes)) > 1 for sizes, _ in batched)  # ragged trees in one forward
@@ -135,11 +142,14 @@ def test_sampling_at_batch_four_keeps_the_target_distribution():
                               torch.Generator().manual_seed(4 * group + row)) for row in range(4)]
         tokens = [s.prefill() for s in sequences]
         live = [i for i, s in enumerate(sequences) if not s.done]
+        batch = PaddedBatch(target)
         while live:
             rows = [sequences[i] for i in live]
             for s in rows:
                 s.draft()
-            for i, row in zip(live, score_together(target, rows) if len(rows) > 1 else [rows[0].score_alone()]):
+            if len(rows) == 1:
+                batch.release()
+            for i, row in zip(live, batch.score(rows) if len(rows) > 1 else [rows[0].score_alone()]):
                 tokens[i] += sequences[i].accept(row)
             live = [i for i in live if not sequences[i].done]
         for row, (s, t) in enumerate(zip(sequences, tokens)):
@@ -235,10 +245,10 @@ def test_cancelled_sequence_frees_its_slot_and_cache(engine):
 def test_a_failing_batched_forward_fails_its_jobs_and_the_server_goes_on(engine, monkeypatch):
     import eagle_lab.serving.batching as batching
 
-    def broken(target, sequences):
+    def broken(self, sequences):
         raise RuntimeError("out of memory (simulated)")
 
-    monkeypatch.setattr(batching, "score_together", broken)
+    monkeypatch.setattr(batching.PaddedBatch, "score", broken)
     scheduler = BatchScheduler(max_batch=2, max_queue=4, target=engine.target)
     first = [Client(engine, plan(engine, f"doomed {i}", 10), f"d{i}") for i in range(2)]
     for client in first:

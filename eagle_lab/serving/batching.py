@@ -7,8 +7,9 @@ leave between rounds, Scheduler._admit):
      a prefill is already a wide forward) and send their first token;
   3. every other job drafts its tree with its own drafter, using the tree chosen for this
      round's batch size (`trees`, from eagle_lab.tree_batch; none: the drafter's own tree);
-  4. one forward scores all trees (eagle_lab.serving.batch), or at batch 1 the sequence's
-     own forward, exactly as generate.py runs it;
+  4. one forward scores all trees (eagle_lab.serving.batch; the padded cache is kept while
+     the same sequences share the forward), or at batch 1 the sequence's own forward, exactly
+     as generate.py runs it;
   5. each job verifies its rows with its own generator, compacts its cache, and sends its
      tokens; finished jobs leave.
 A failure in one job's own steps fails that job alone; a failing batched forward fails the
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 
 from eagle_lab.draft import TreeShape
-from eagle_lab.serving.batch import score_together
+from eagle_lab.serving.batch import PaddedBatch
 from eagle_lab.serving.scheduler import Job, Scheduler
 from eagle_lab.target import Target
 
@@ -35,6 +36,7 @@ class BatchScheduler(Scheduler):
         self.target = target
         self.trees = trees or {}  # batch size -> tree (empty: every drafter keeps its own tree)
         self.batch_sizes: dict[int, int] = {}  # batch size -> rounds scored at that size (for /health, bench)
+        self.batch = PaddedBatch(target)  # the padded cache, kept while the same sequences share the forward
 
     def _round(self, jobs: list[Job]) -> None:
         ready = []
@@ -45,16 +47,17 @@ class BatchScheduler(Scheduler):
                 self._step(job, lambda job=job: self._prefill(job))
             else:
                 ready.append(job)
-        if not ready:
-            return
         shape = self.trees.get(len(ready)) if len(ready) > 1 else None
         drafted = [job for job in ready if self._step(job, lambda job=job: job.stream.sequence.draft(shape))]
+        if len(drafted) < 2:
+            self.batch.release()  # a lone sequence (or none) runs on its own cache
         if not drafted:
             return
         sequences = [job.stream.sequence for job in drafted]
         try:
-            scored = [sequences[0].score_alone()] if len(drafted) == 1 else score_together(self.target, sequences)
+            scored = [sequences[0].score_alone()] if len(drafted) == 1 else self.batch.score(sequences)
         except Exception as exc:  # noqa: BLE001 - a failed forward fails its jobs, not the server
+            self.batch.drop()  # its cache may be half-updated; every member is in this forward
             for job in drafted:
                 self._fail(job, exc)
             return

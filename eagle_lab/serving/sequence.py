@@ -7,7 +7,7 @@ at the target forward so that one forward can score the trees of many sequences:
   draft(shape)   this round's tree: the drafter's, or the root alone (method=vanilla, or
                  plain decoding chosen for this batch size)
   -- the scheduler scores the tree: score_alone() (batch 1: exactly generate.py's call) or
-     eagle_lab.serving.batch.score_together() (one padded forward for all sequences) --
+     eagle_lab.serving.batch.PaddedBatch.score() (one padded forward for all sequences) --
   accept(scored) verify with this sequence's own generator, compact its cache, emit tokens
 
 Everything a round reads is this sequence's own (cache, drafter, torch.Generator, stopper),
