@@ -10,7 +10,8 @@ its own cache), so per round
 
 where target_B(K) is the measured cost of one forward of B rows of K tokens each after a
 realistic cached prefix (a cheap probe at a few batch sizes, interpolated between them; it
-includes gathering the padded cache), and the draft and overhead terms are tree=auto's
+includes a gather of the padded cache, which a kept batch pays only when its members change,
+so the price is a little high), and the draft and overhead terms are tree=auto's
 batch-1 measurements. The batch emits B x tau tokens per round, so the best shape at B
 maximises tau / round_ms(B). A forward's cost grows with B x K once the device is busy (a
 CPU always is), while the B drafters and overheads add up: trees shrink as B grows, down to
