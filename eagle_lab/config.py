@@ -46,7 +46,7 @@ class NgramConfig:
     """Hybrid drafting (eagle_lab/ngram.py): copy a continuation of the context as an extra
     tree branch. Also the settings of method=ngram and of the bench methods eagle+ngram / ngram."""
 
-    enabled: bool = False  # merge n-gram branches into the EAGLE tree (method=eagle)
+    enabled: bool = True  # merge n-gram branches into the EAGLE tree (method=eagle)
     min_match: int = 2  # shortest suffix of the committed sequence to look up
     max_match: int = 4  # longest suffix, tried first
     max_tokens: int = 8  # chain length (tree=auto: the longest it may choose)

@@ -67,7 +67,7 @@ def test_slurm_launcher_composes():
 def test_ngram_keys_compose_and_are_typed():
     cfg = to_object(composed("serve", ["ngram.enabled=true", "ngram.max_tokens=4", "method=ngram"]), ServeConfig)
     assert cfg.ngram.enabled and cfg.ngram.max_tokens == 4 and cfg.ngram.min_match == 2
-    assert not to_object(composed("serve", []), ServeConfig).ngram.enabled  # off by default
+    assert to_object(composed("serve", []), ServeConfig).ngram.enabled  # on by default (README, "Hybrid drafting")
     with pytest.raises(Exception, match="max_tokenz"):
         composed("serve", ["ngram.max_tokenz=3"])
 
