@@ -29,3 +29,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise EagleLabError(f"unknown dtype '{name}' (use auto, {', '.join(sorted(_DTYPES))})")
     return _DTYPES[name]
+
+
+def cpu_has_bf16() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively here (AVX512-BF16/AMX); emulated bf16 is slower."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def training_dtype(choice: str, target) -> str:
+    """The target's dtype while training (trainer.capture_dtype; target: a TargetConfig).
+    "target" keeps target.dtype; "auto" picks bf16 where its matmuls are native (CUDA, AMX CPUs:
+    2.5-4x faster capture than fp32 on SmolLM2 at ~1% relative feature error, below the feature
+    noise the loss adds), unless target.dtype is set explicitly. Serving keeps target.dtype."""
+    if choice == "target":
+        return target.dtype
+    if choice in _DTYPES:
+        return choice
+    if choice != "auto":
+        raise EagleLabError(f"trainer.capture_dtype must be target, auto or a dtype "
+                            f"({', '.join(sorted(_DTYPES))}), got '{choice}'")
+    if target.dtype != "auto":
+        return target.dtype
+    native = resolve_device(target.device).type == "cuda" or cpu_has_bf16()
+    return "bfloat16" if native else "auto"

@@ -27,6 +27,7 @@ from eagle_lab.card import HeadCard, write_card
 from eagle_lab.config import TrainConfig, to_object
 from eagle_lab.corpus import CorpusStore, capture_split, corpus_key, open_corpus
 from eagle_lab.data import build_datasets, load_conversations, tokenize_conversation
+from eagle_lab.device import cpu_has_bf16, training_dtype
 from eagle_lab.embedded import cache_root
 from eagle_lab.errors import EagleLabError
 from eagle_lab.features import (Example, ShardStore, capture, compute_features, eagle3_layer_ids, features_key,
@@ -200,33 +201,6 @@ def epoch_order(count: int, seed: int, epoch: int, lengths: list[int] | None = N
     return [i for batch in batches for i in batch]
 
 
-def cpu_has_bf16() -> bool:
-    """Whether oneDNN runs bf16 matmuls natively here (AVX512-BF16/AMX); emulated bf16 is slower."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def training_dtype(cfg: TrainConfig) -> str:
-    """The target's dtype for training (trainer.capture_dtype). bf16 captures 2.5-4x faster than
-    fp32 on a CPU with AMX (measured on SmolLM2, batch 4 x 1024) at ~1% relative feature error,
-    below the feature noise the loss adds; serving keeps target.dtype."""
-    choice = cfg.trainer.capture_dtype
-    if choice == "target":
-        return cfg.target.dtype
-    if choice in ("float32", "bfloat16", "float16"):
-        return choice
-    if choice != "auto":
-        raise EagleLabError(f"trainer.capture_dtype must be target, auto, float32, bfloat16 or float16, got '{choice}'")
-    if cfg.target.dtype != "auto":
-        return cfg.target.dtype  # an explicit target dtype wins
-    native = torch.cuda.is_available() if cfg.target.device in ("auto", "cuda") else False
-    if cfg.target.device in ("auto", "cpu") and not native:
-        native = cpu_has_bf16()
-    return "bfloat16" if native else "auto"
-
-
 # ---- the recipe ----------------------------------------------------------------------------
 
 class Recipe:
@@ -246,7 +220,7 @@ class Recipe:
             raise EagleLabError(f"{self.run_dir} already has checkpoints: pass trainer.resume=true to continue, "
                                 "or name=<new name> for a fresh run")
         torch.manual_seed(cfg.trainer.seed)
-        self.target = load_target(replace(cfg.target, dtype=training_dtype(cfg)))
+        self.target = load_target(replace(cfg.target, dtype=training_dtype(cfg.trainer.capture_dtype, cfg.target)))
         self.device = self.target.device
         self.rank, self.world = init_distributed(cfg.deepspeed.backend, self.device)
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -199,23 +199,21 @@ def test_head_layer_can_start_from_the_targets_last_layer(tiny_target):
 def test_capture_dtype_is_chosen_as_configured(monkeypatch):
     """trainer.capture_dtype: the target's own dtype by default, bf16 under auto only where it is
     native (an explicit target.dtype wins), a clear error for anything else."""
-    from eagle_lab import trainer
+    from eagle_lab import device
 
-    def cfg(capture: str, dtype: str = "auto", device: str = "cpu") -> TrainConfig:
-        c = TrainConfig()
-        c.trainer.capture_dtype, c.target.dtype, c.target.device = capture, dtype, device
-        return c
+    def chosen(capture: str, dtype: str = "auto") -> str:
+        return device.training_dtype(capture, TargetConfig(dtype=dtype, device="cpu"))
 
-    assert trainer.training_dtype(cfg("target")) == "auto"
-    assert trainer.training_dtype(cfg("target", "float32")) == "float32"
-    assert trainer.training_dtype(cfg("bfloat16", "float32")) == "bfloat16"
-    assert trainer.training_dtype(cfg("auto", "float32")) == "float32"
-    monkeypatch.setattr(trainer, "cpu_has_bf16", lambda: True)
-    assert trainer.training_dtype(cfg("auto")) == "bfloat16"
-    monkeypatch.setattr(trainer, "cpu_has_bf16", lambda: False)
-    assert trainer.training_dtype(cfg("auto")) == "auto"
+    assert chosen("target") == "auto"
+    assert chosen("target", "float32") == "float32"
+    assert chosen("bfloat16", "float32") == "bfloat16"
+    assert chosen("auto", "float32") == "float32"
+    monkeypatch.setattr(device, "cpu_has_bf16", lambda: True)
+    assert chosen("auto") == "bfloat16"
+    monkeypatch.setattr(device, "cpu_has_bf16", lambda: False)
+    assert chosen("auto") == "auto"
     with pytest.raises(EagleLabError, match="capture_dtype"):
-        trainer.training_dtype(cfg("int8"))
+        chosen("int8")
 
 
 def test_trains_and_evaluates_against_a_bf16_target(tmp_path):
