@@ -7,6 +7,9 @@ One process, one target, the same prompts for every method:
   ngram             n-gram drafting alone, no head, through the same loop and verifier
   hf_greedy         `model.generate` (greedy at T=0, sampling at T>0)
   hf_prompt_lookup  `model.generate(prompt_lookup_num_tokens=10)`, greedy only
+A speculative method may name a tree preset (conf/tree/*.yaml) after '@', so one run compares
+trees against the same vanilla baseline: bench.methods=[vanilla,eagle@cpu,eagle@auto]; without
+'@' a method uses the configured tree=.
 For each temperature it reports tokens/s, tau (tokens per target forward), speedup over
 vanilla, mean wall time per prompt, EAGLE's acceptance rate at each tree depth, the share of
 accepted draft tokens that came from n-gram branches and, at T=0, how many prompts' greedy
@@ -34,7 +37,7 @@ from eagle_lab.bench_report import REFERENCE, write_outputs
 from eagle_lab.builders import (SPECULATIVE, build_decoder, build_drafter, build_head, make_generator,
                                 ngram_proposer, packaged_head_dir)
 from eagle_lab.card import record_mtbench_tau
-from eagle_lab.config import ServeConfig
+from eagle_lab.config import ServeConfig, TreeConfig
 from eagle_lab.draft import Drafter, EagleDrafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats, Stopper, generate
@@ -42,6 +45,7 @@ from eagle_lab.ngram import NgramDrafter
 from eagle_lab.prompts import as_tensor, encode_prompt
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import Target, load_target
+from eagle_lab.tree_presets import tree_preset
 
 log = logging.getLogger(__name__)
 METHODS = ("vanilla", "eagle", "eagle+ngram", "ngram", "hf_greedy", "hf_prompt_lookup")
@@ -121,33 +125,49 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
     return results
 
 
+def split_method(method: str) -> tuple[str, str]:
+    """'eagle@auto' -> ('eagle', 'auto'); 'eagle' -> ('eagle', '') (the configured tree=)."""
+    base, _, tree = method.partition("@")
+    return base, tree
+
+
 def build_drafters(cfg: ServeConfig, target: Target) -> dict[str, Drafter]:
-    """One drafter per speculative method requested; eagle and eagle+ngram share one head
+    """One drafter per speculative method requested; every head method shares one head
     (under tree=auto each is calibrated, and cached, on its own)."""
     methods = cfg.bench.methods
-    head = build_head(cfg.head, target) if any(m in HEAD_METHODS for m in methods) else None
+    head = build_head(cfg.head, target) if any(split_method(m)[0] in HEAD_METHODS for m in methods) else None
     drafters: dict[str, Drafter] = {}
-    if "eagle" in methods:
-        drafters["eagle"] = build_drafter(head, target, cfg.tree)
-    if "eagle+ngram" in methods:
-        drafters["eagle+ngram"] = build_drafter(head, target, cfg.tree, ngram_proposer(cfg.ngram))
-    if "ngram" in methods:
-        drafters["ngram"] = NgramDrafter(ngram_proposer(cfg.ngram))
+    for method in methods:
+        base, preset = split_method(method)
+        tree = tree_preset(preset) if preset else cfg.tree
+        if base == "eagle":
+            drafters[method] = build_drafter(head, target, tree)
+        elif base == "eagle+ngram":
+            drafters[method] = build_drafter(head, target, tree, ngram_proposer(cfg.ngram))
+        elif base == "ngram":
+            drafters[method] = NgramDrafter(ngram_proposer(cfg.ngram))
     return drafters
+
+
+def tree_label(tree: TreeConfig) -> str:
+    """How head cards key MT-bench tau: the preset's name, or the shape."""
+    return "auto" if tree.auto else tree.name or f"d{tree.depth}-k{tree.topk}-n{tree.total_tokens}"
 
 
 def update_card(cfg: ServeConfig, target: Target, summary: dict[str, dict[str, Any]], prompts: int) -> None:
     """bench.update_card: eagle's measured MT-bench tau -> the head's card.json."""
     head = cfg.head.path or str(packaged_head_dir(target.name) or "")
-    if cfg.bench.dataset != "mt_bench" or not head or "eagle" not in cfg.bench.methods:
+    eagle = [m for m in cfg.bench.methods if split_method(m)[0] == "eagle"]
+    if cfg.bench.dataset != "mt_bench" or not head or not eagle:
         log.warning("bench.update_card needs bench.dataset=mt_bench, the eagle method and a head directory")
         return
-    tree = cfg.tree
-    label = "auto" if tree.auto else tree.name or f"d{tree.depth}-k{tree.topk}-n{tree.total_tokens}"
-    for key, by_method in summary.items():
-        tau = by_method.get("eagle", {}).get("tau")
-        if tau is not None and record_mtbench_tau(head, label, float(key), tau, prompts):
-            log.info("card %s: MT-bench tau %.3f (tree %s, T=%s, %d prompts)", head, tau, label, key, prompts)
+    for method in eagle:
+        preset = split_method(method)[1]
+        label = tree_label(tree_preset(preset) if preset else cfg.tree)
+        for key, by_method in summary.items():
+            tau = by_method.get(method, {}).get("tau")
+            if tau is not None and record_mtbench_tau(head, label, float(key), tau, prompts):
+                log.info("card %s: MT-bench tau %.3f (tree %s, T=%s, %d prompts)", head, tau, label, key, prompts)
 
 
 def validate_bench(cfg: ServeConfig) -> None:
@@ -155,9 +175,15 @@ def validate_bench(cfg: ServeConfig) -> None:
     bench = cfg.bench
     if not bench.methods:
         raise EagleLabError(f"bench.methods is empty (choose from {', '.join(METHODS)})")
-    unknown = [m for m in bench.methods if m not in METHODS]
+    unknown = [m for m in bench.methods if split_method(m)[0] not in METHODS]
     if unknown:
         raise EagleLabError(f"unknown bench method(s) {', '.join(unknown)} (choose from {', '.join(METHODS)})")
+    for method in bench.methods:
+        base, preset = split_method(method)
+        if "@" in method and base not in HEAD_METHODS:
+            raise EagleLabError(f"bench method '{method}': only {', '.join(HEAD_METHODS)} take a tree after '@'")
+        if preset:
+            tree_preset(preset)  # raises EagleLabError naming the presets
     if len(set(bench.methods)) != len(bench.methods):
         raise EagleLabError(f"bench.methods repeats a method: {list(bench.methods)}")
     if not bench.temperatures:
@@ -223,7 +249,7 @@ def run_prompts(ctx: BenchContext, method: str, encoded: list[list[int]], params
 
 def run_method(ctx: BenchContext, method: str, prompt_ids: list[int], params: SamplingParams) -> Run:
     """Generate for one prompt with one method, timed from the call to the last token."""
-    if method == "vanilla" or method in SPECULATIVE:
+    if method == "vanilla" or split_method(method)[0] in SPECULATIVE:
         return _run_eagle_lab(ctx, method, prompt_ids, params)
     if method in HF_METHODS:
         return _run_hf(ctx, method, prompt_ids, params)
@@ -236,7 +262,7 @@ def _run_eagle_lab(ctx: BenchContext, method: str, prompt_ids: list[int], params
     def decode():
         stopper = Stopper(target.tokenizer, ctx.cfg.max_new_tokens, ctx.eos)
         generator = make_generator(ctx.cfg.seed, target.device)
-        decoder = build_decoder(method, target, ctx.drafters.get(method), as_tensor(prompt_ids, target.device), params,
+        decoder = build_decoder(split_method(method)[0], target, ctx.drafters.get(method), as_tensor(prompt_ids, target.device), params,
                                 stopper, generator)
         return generate(decoder)
 
@@ -335,9 +361,9 @@ def summarise(methods: list[str], runs: dict[str, list[Run]], greedy: bool) -> d
             "acceptance_by_depth": None,
             "ngram_share": None,
         }
-        if method == "eagle":
+        if split_method(method)[0] == "eagle":
             row["acceptance_by_depth"] = acceptance_by_depth([r.stats for r in method_runs if r.stats])
-        if method in SPECULATIVE:
+        if split_method(method)[0] in SPECULATIVE:
             row["ngram_share"] = ngram_share([r.stats for r in method_runs if r.stats])
         if greedy and reference is not None:
             row["greedy_mismatches"] = sum(r.token_ids != ref.token_ids for r, ref in zip(method_runs, reference))
@@ -399,8 +425,8 @@ def config_summary(cfg: ServeConfig, target: Target, num_prompts: int,
         head = str(packaged) if packaged else "random"
     device = target.device
     drafters = drafters or {}
-    eagle = [drafters[m] for m in HEAD_METHODS if isinstance(drafters.get(m), EagleDrafter)]
-    uses_ngram = any(m in drafters for m in ("eagle+ngram", "ngram"))
+    eagle = [drafter for drafter in drafters.values() if isinstance(drafter, EagleDrafter)]
+    uses_ngram = any(split_method(m)[0] in ("eagle+ngram", "ngram") for m in drafters)
     hybrid = drafters.get("eagle+ngram")
     return {
         "target": target.name,
@@ -410,6 +436,8 @@ def config_summary(cfg: ServeConfig, target: Target, num_prompts: int,
         "head_kind": cfg.head.kind,
         "tree": asdict(eagle[0].shape) if eagle else None,  # as used (tree=auto resolved)
         "tree_auto": cfg.tree.auto,
+        # every head method's tree as used (methods named method@preset ran that preset)
+        "trees": {m: asdict(d.shape) for m, d in drafters.items() if isinstance(d, EagleDrafter)},
         "ngram": asdict(cfg.ngram) if uses_ngram else None,
         # eagle+ngram as used: its tree and chain length (tree=auto may choose others than eagle's, or none)
         "hybrid": ({"tree": asdict(hybrid.shape), "ngram_tokens": hybrid.ngram.max_tokens if hybrid.ngram else 0}

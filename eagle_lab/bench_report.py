@@ -50,17 +50,17 @@ def write_markdown(results: dict[str, Any]) -> str:
                 f"{_fmt(row['speedup'], '.2f', 'x')} | {_fmt(row['mean_wall_s'], '.3f')} | {mismatches} | "
                 f"{_fmt(row.get('ngram_share'), '.2f')} | {note} |"
             )
-    depth_rows = {t: m["eagle"]["acceptance_by_depth"] for t, m in results["summary"].items()
-                  if m.get("eagle", {}).get("acceptance_by_depth")}
+    depth_rows = {(t, method): row["acceptance_by_depth"] for t, m in results["summary"].items()
+                  for method, row in m.items() if row.get("acceptance_by_depth")}
     if depth_rows:
         depth = max(len(rows) for rows in depth_rows.values())
         lines += ["", "EAGLE acceptance rate by tree depth (accepted / reached):", "",
-                  "| T | " + " | ".join(f"d={d}" for d in range(1, depth + 1)) + " |",
-                  "|---|" + "---:|" * depth]
-        for temperature, rows in depth_rows.items():
+                  "| T | method | " + " | ".join(f"d={d}" for d in range(1, depth + 1)) + " |",
+                  "|---|---|" + "---:|" * depth]
+        for (temperature, method), rows in depth_rows.items():
             cells = [f"{_fmt(r['rate'], '.2f')} ({r['accepted']}/{r['reached']})" for r in rows]
             cells += ["-"] * (depth - len(cells))
-            lines.append(f"| {temperature} | " + " | ".join(cells) + " |")
+            lines.append(f"| {temperature} | {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -95,11 +95,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     plotted = False
     for temperature, methods in summary.items():
-        rows = methods.get("eagle", {}).get("acceptance_by_depth") or []
-        points = [(r["depth"], r["rate"]) for r in rows if r["rate"] is not None]
-        if points:
-            left.plot(*zip(*points), marker="o", label=f"T={temperature}")
-            plotted = True
+        for method, row in methods.items():
+            rows = row.get("acceptance_by_depth") or []
+            points = [(r["depth"], r["rate"]) for r in rows if r["rate"] is not None]
+            if points:
+                left.plot(*zip(*points), marker="o", label=f"{method} T={temperature}")
+                plotted = True
     left.set(title="EAGLE acceptance rate by depth", xlabel="tree depth d",
              ylabel="P(accept >= d | tree reached d)", ylim=(0, 1.05))
     if plotted:

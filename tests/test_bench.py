@@ -164,3 +164,53 @@ def test_update_card_records_eagle_tau_per_tree_and_temperature(tmp_path):
     cfg.bench.dataset = "humaneval"  # not MT-bench: the card is left alone
     update_card(cfg, SimpleNamespace(name="tiny_llama"), {"0.0": {"eagle": {"tau": 3.0}}}, 80)
     assert "T=0" not in read_card(tmp_path).mtbench_tau["cpu"]
+
+
+def test_methods_with_tree_presets_run_side_by_side(tmp_path):
+    """eagle@cpu and eagle@eagle_gpu in one run: each drafter gets its preset's tree, one vanilla baseline."""
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]) + "\n", encoding="utf-8")
+    cfg = ServeConfig(
+        target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
+        head=HeadConfig(path="random"),
+        tree=TreeConfig(auto=False, depth=2, topk=2, total_tokens=3),
+        bench=BenchConfig(dataset=str(prompts_file), limit=0, methods=["vanilla", "eagle", "eagle@cpu",
+                                                                        "eagle+ngram@eagle_gpu"],
+                          temperatures=[0.0], warmup=0),
+        mode="bench", max_new_tokens=8, ignore_eos=True,
+    )
+    results = run_bench(cfg, out_dir=tmp_path / "run")
+    trees = results["config"]["trees"]
+    assert trees["eagle"] == {"depth": 2, "topk": 2, "total_tokens": 3}  # the configured tree=
+    assert trees["eagle@cpu"] == {"depth": 4, "topk": 4, "total_tokens": 12}  # conf/tree/cpu.yaml
+    assert trees["eagle+ngram@eagle_gpu"] == {"depth": 6, "topk": 10, "total_tokens": 60}
+    greedy = results["summary"]["0.0"]
+    assert all(greedy[m]["greedy_mismatches"] == 0 for m in cfg.bench.methods)
+    assert greedy["eagle@cpu"]["acceptance_by_depth"][0]["reached"] > 0  # acceptance by depth for any eagle tree
+    table = (tmp_path / "run" / "results.md").read_text(encoding="utf-8")
+    assert "| 0.0 | eagle@cpu |" in table and "| 0.0 | eagle@cpu | " in table.split("acceptance rate")[1]
+
+
+@pytest.mark.parametrize("method, message", [("eagle@nope", "unknown tree preset 'nope'.*cpu"),
+                                             ("vanilla@cpu", "only eagle, eagle\\+ngram take a tree")])
+def test_bad_tree_presets_are_refused(tmp_path, method, message):
+    cfg = ServeConfig(target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
+                      bench=BenchConfig(dataset="mt_bench", methods=["vanilla", method]))
+    with pytest.raises(EagleLabError, match=message):
+        run_bench(cfg, out_dir=tmp_path)
+
+
+def test_update_card_keys_each_tree_preset(tmp_path):
+    from types import SimpleNamespace
+
+    from eagle_lab.bench import update_card
+    from eagle_lab.card import HeadCard, read_card, write_card
+
+    write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
+    cfg = ServeConfig(head=HeadConfig(path=str(tmp_path)), tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4,
+                                                                           total_tokens=12),
+                      bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "eagle", "eagle@auto"],
+                                        update_card=True))
+    summary = {"0.0": {"eagle": {"tau": 1.9}, "eagle@auto": {"tau": 1.0}, "vanilla": {"tau": 1.0}}}
+    update_card(cfg, SimpleNamespace(name="tiny_llama"), summary, 80)
+    assert read_card(tmp_path).mtbench_tau == {"cpu": {"T=0": 1.9}, "auto": {"T=0": 1.0}}  # all 80 prompts
