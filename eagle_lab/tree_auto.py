@@ -26,8 +26,10 @@ scores the tree's tokens plus the chain tokens the tree did not already hold, wh
 cost model charges round by round (target(K + 1) with the extra tokens in K, the overhead
 slope on them, plus the proposer's time). The search covers chain lengths L up to
 `ngram.max_tokens`, L = 0 (n-gram off), and "n-gram only": no head run, the root plus the
-chain, priced as target(K + 1) + overhead, or as the measured no-draft round when the chain
-is empty. So a target without a useful head can still speculate where copying pays.
+chain, priced as target(K + 1) plus the measured cost of such a round beyond its forward (timed
+n-gram-only rounds: proposing, verification, compaction; it shares none of the head rounds'
+tree overhead), or as the measured no-draft round when the chain is empty. So a target without
+a useful head can still speculate where copying pays.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class CostModel:
     overhead_per_token_ms: float = 0.0  # ... plus this much per scored draft token
     plain_ms: float = 0.0  # measured: one round of the no-draft path (one token); 0 = not measured
     ngram_ms: float = 0.0  # measured: proposing one n-gram chain (hybrid drafting only)
+    ngram_round_ms: float | None = None  # measured: an n-gram-only round beyond target(K); None = not measured
 
     def target(self, k: int) -> float:
         keys = sorted(self.target_ms)
@@ -97,6 +100,8 @@ class CostModel:
         propose = self.ngram_ms if ngram else 0.0
         if shape.depth == 0 and extra == 0:  # no draft: one token per round, the head is not run at all
             return (self.plain_ms if self.plain_ms > 0 else self.target(1)) + propose
+        if shape.depth == 0 and self.ngram_round_ms is not None:  # n-gram only, priced by its own timed rounds
+            return self.target(extra + 1) + self.ngram_round_ms  # (the proposing is in the measured part)
         scored = shape.total_tokens + extra
         return self.model_ms(shape, extra) + self.overhead_ms + self.overhead_per_token_ms * scored + propose
 
@@ -207,6 +212,35 @@ def timed_rounds(target: Target, drafter: EagleDrafter, prompts: list[list[int]]
     finally:
         drafter.shape = saved
     return statistics.median(round_ms) if round_ms else 0.0
+
+
+def timed_ngram_rounds(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
+                       ngram: NgramProposer, costs: CostModel) -> float | None:
+    """Median ms an n-gram-only round (no head run, the root plus a chain) costs beyond its target
+    forward, target(tree size): proposing, verification, compaction, bookkeeping. None when no
+    round of the calibration prompts found a chain."""
+    saved_shape, saved_ngram, original_draft = drafter.shape, drafter.ngram, drafter.draft
+    sizes: list[int] = []
+
+    def sized_draft(sequence, new_features, max_depth):
+        tree = original_draft(sequence, new_features, max_depth)
+        sizes.append(tree.size)
+        return tree
+
+    drafter.shape, drafter.ngram, drafter.draft = TreeShape(0, 0, 0), ngram, sized_draft
+    beyond: list[float] = []
+    try:
+        for ids in prompts:
+            sizes.clear()
+            decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device), SamplingParams(),
+                                         Stopper(target.tokenizer, new_tokens, set()))
+            stamps = [time.perf_counter() for _ in decoder]  # the prefill, then one chunk per round
+            for size, (a, b) in zip(sizes, zip(stamps, stamps[1:])):
+                if size > 1:  # a chain was merged
+                    beyond.append(1000 * (b - a) - costs.target(size))
+    finally:
+        drafter.shape, drafter.ngram, drafter.draft = saved_shape, saved_ngram, original_draft
+    return max(statistics.median(beyond), 0.0) if beyond else None
 
 
 def record(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
@@ -380,7 +414,7 @@ def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig
     fields = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
               "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search)}
     if ngram is not None:  # only then: summaries cached without n-gram stay valid
-        fields["ngram"] = {**asdict(ngram), "lengths": ngram_lengths(ngram)}
+        fields["ngram"] = {**asdict(ngram), "lengths": ngram_lengths(ngram), "priced": "timed-ngram-rounds"}
     blob = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
@@ -407,6 +441,8 @@ def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], s
     slope = max((extra_big - extra_small) / max(big.total_tokens - small.total_tokens, 1), 0.0)
     intercept = max(extra_small - slope * small.total_tokens, 0.0)
     costs = CostModel(target_ms, level_ms, first_ms, intercept, slope, plain_ms, recording.ngram_ms)
+    if ngram is not None:
+        costs.ngram_round_ms = timed_ngram_rounds(target, drafter, prompts, search.new_tokens, ngram, costs)
     return {"cost_model": asdict(costs), "rounds": len(recording.rounds),
             "shapes": replay_all(recording, search, ngram_lengths(ngram)),
             "measured_round_ms": {"record": big_ms, "probe": small_ms, "no_draft": plain_ms}}
@@ -441,7 +477,7 @@ def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts
     cm = summary["cost_model"]
     costs = CostModel({int(k): v for k, v in cm["target_ms"].items()}, {int(k): v for k, v in cm["level_ms"].items()},
                       cm["first_level_ms"], cm["overhead_ms"], cm["overhead_per_token_ms"], cm["plain_ms"],
-                      cm.get("ngram_ms", 0.0))
+                      cm.get("ngram_ms", 0.0), cm.get("ngram_round_ms"))
     return summary, costs, path
 
 

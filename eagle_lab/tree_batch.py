@@ -56,7 +56,7 @@ def interpolate(table: dict[int, float], x: float) -> float:
     return max(value, 0.0)
 
 
-@dataclass
+@dataclass(kw_only=True)  # batch fields by name: CostModel may grow fields
 class BatchCostModel(CostModel):
     """tree=auto's costs, with the forward priced for `batch` rows (batch_target_ms: K per row -> ms)."""
 
@@ -139,8 +139,8 @@ def choose_per_batch(shapes: list[dict], costs: CostModel, probed: dict[int, dic
     chosen = {}
     for batch in range(2, max_batch + 1):
         model = BatchCostModel(costs.target_ms, costs.level_ms, costs.first_level_ms, costs.overhead_ms,
-                               costs.overhead_per_token_ms, costs.plain_ms, 0.0, batch,
-                               batch_forward_costs(table, batch))
+                               costs.overhead_per_token_ms, costs.plain_ms, batch=batch,
+                               batch_target_ms=batch_forward_costs(table, batch))
         shape, ranked = choose(rows, model, fixed)
         chosen[batch] = (shape, ranked[0])
     return chosen

@@ -1,6 +1,7 @@
 """tree=auto: replaying recorded candidates, and the whole calibration on a tiny target."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from eagle_lab.draft import Candidates, EagleDrafter, TreeShape
 from eagle_lab.head import new_head
 from eagle_lab.ngram import NgramProposer
 from eagle_lab.tree_auto import (CostModel, Recording, ReplayTree, TreeSearchConfig, auto_tree, choose, ngram_lengths,
-                                 replay_all, simulate_accept, simulate_hybrid)
+                                 replay_all, row_ms, simulate_accept, simulate_hybrid)
 from tests.conftest import small_vocab_target
 
 # root children a(5) > b(6) > c(7); a's children: d(8) > e(9); b's children: f(10) > g(11)
@@ -120,6 +121,19 @@ def test_rounds_pay_for_every_chain_token_and_ngram_alone_can_win():
     assert chosen == TreeShape(1, 2, 2) and ranked[0]["ngram_tokens"] == 2
 
 
+def test_ngram_only_rounds_are_priced_by_their_own_timing():
+    """Timed n-gram-only rounds replace the head rounds' overhead line for rounds that skip the head."""
+    costs = CostModel({1: 10.0, 2: 14.0, 3: 18.0, 5: 26.0}, {2: 1.0}, 2.0, 8.0, 0.5, plain_ms=9.0, ngram_ms=0.2,
+                      ngram_round_ms=1.5)
+    assert costs.round_ms(TreeShape(0, 0, 0), 2, ngram=True) == 18.0 + 1.5  # not 18 + 8 + 0.5 * 2 + 0.2
+    assert costs.round_ms(TreeShape(0, 0, 0), 0, ngram=True) == 9.0 + 0.2  # no chain: the no-draft round
+    assert costs.round_ms(TreeShape(1, 2, 2), 1, ngram=True) == 22.0 + 2.0 + 8.0 + 0.5 * 3 + 0.2  # head rounds as before
+    rows = replay_all(RECORDING, TINY_SEARCH, [1, 2])
+    unmeasured = replace(costs, ngram_round_ms=None)
+    ngram_only = [r for r in rows if r["shape"]["depth"] == 0 and r.get("ngram_tokens")]
+    assert all(row_ms(r, costs) < row_ms(r, unmeasured) for r in ngram_only)
+
+
 def test_auto_tree_with_ngram_calibrates_separately(tmp_path):
     target = small_vocab_target(vocab_size=8, seed=0)
     search = TreeSearchConfig(depths=[1, 2], topks=[1, 2], totals=[1, 2, 4], record_shape=(2, 2, 4),
@@ -142,7 +156,8 @@ def test_auto_tree_with_ngram_calibrates_separately(tmp_path):
     cm = summary["cost_model"]
     costs = CostModel({int(k): v for k, v in cm["target_ms"].items()}, {int(k): v for k, v in cm["level_ms"].items()},
                       cm["first_level_ms"], cm["overhead_ms"], cm["overhead_per_token_ms"], cm["plain_ms"],
-                      cm["ngram_ms"])
+                      cm["ngram_ms"], cm["ngram_round_ms"])
+    assert cm["ngram_round_ms"] is not None and cm["ngram_round_ms"] >= 0  # the prompts repeat: rounds were timed
     best = choose(rows, costs, TreeShape(0, 0, 0))[1][0]
     expected = best.get("ngram_tokens", 0)
     assert (drafter.ngram.max_tokens if drafter.ngram else 0) == expected  # the chosen chain length, or off

@@ -47,7 +47,8 @@ def test_interpolate_is_piecewise_linear():
 def test_batch_round_prices_drafting_per_row():
     costs = gpu_like_costs()
     model = BatchCostModel(costs.target_ms, costs.level_ms, costs.first_level_ms, costs.overhead_ms,
-                           costs.overhead_per_token_ms, costs.plain_ms, 0.0, 4, {1: 12.0, 13: 24.0})
+                           costs.overhead_per_token_ms, costs.plain_ms, batch=4,
+                           batch_target_ms={1: 12.0, 13: 24.0})
     # forward for 6 + 1 tokens per row, then 4 x (first level + 2 levels of k=2 + overhead + 6 x slope)
     assert model.round_ms(TreeShape(3, 2, 6)) == pytest.approx(18.0 + 4 * (0.5 + 2 * 0.3 + 0.5 + 0.06))
     assert model.round_ms(TreeShape(0, 0, 0)) == pytest.approx(12.0 + 4 * 0.5)  # plain: 10.5 - 10 per row
