@@ -155,8 +155,7 @@ def speculative_decode(
             reason = "context"
             break
         tree = drafter.draft(sequence, new_features, max_depth=target.max_context - 1 - past)
-        positions = (past + tree.depths)[None]  # [1, N]
-        out = target.forward(tree.tokens[None], cache, positions, tree.mask, layer_ids)
+        out = score_tree(target, tree, cache, past, layer_ids)
         stats.target_forwards += 1
         features = out.features[0]  # [N, H]
         accepted, bonus = verify(tree, lambda node: target.logits(features[node]), params, generator)  # [L + 1]
@@ -170,6 +169,19 @@ def speculative_decode(
         sequence = torch.cat([sequence, torch.tensor(new_tokens, device=sequence.device)])
     stats.stop_reason, stats.wall_s = reason, time.perf_counter() - start
     return stats
+
+
+def score_tree(target: Target, tree: DraftTree, cache, past: int, layer_ids: tuple[int, ...] = ()):
+    """One target forward over the tree's N tokens after `past` cached ones.
+
+    A root-only tree (nothing drafted this round: tree=auto chose not to draft, or no n-gram
+    chain matched) runs vanilla decoding's one-token forward: the cache implies its position and
+    causality, so no mask is built and attention takes the same kernel as plain decoding (a
+    4-D mask made these rounds measurably slower than plain ones)."""
+    if tree.size == 1:
+        return target.forward(tree.tokens[None], cache, layer_ids=layer_ids)  # [1, 1] token
+    positions = (past + tree.depths)[None]  # [1, N]
+    return target.forward(tree.tokens[None], cache, positions, tree.mask, layer_ids)
 
 
 def _ngram_counts(tree: DraftTree, accepted: torch.Tensor) -> tuple[int, int]:

@@ -132,6 +132,26 @@ def test_drafting_off_skips_the_head_and_matches(tiny_llama):
     assert spec.stats.target_forwards == plain.stats.target_forwards and drafter.committed == 0
 
 
+def test_root_only_rounds_run_the_plain_forward(tiny_llama, monkeypatch):
+    """A round that drafted nothing scores its root as vanilla decoding does: no positions, no mask."""
+    calls = []
+    forward = type(tiny_llama).forward
+
+    def spy(self, input_ids, cache=None, position_ids=None, tree_mask=None, *args, **kwargs):
+        calls.append((input_ids.shape[1], position_ids is None and tree_mask is None))
+        return forward(self, input_ids, cache, position_ids, tree_mask, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny_llama), "forward", spy)
+    drafter = EagleDrafter(new_head(tiny_llama, seed=5), tiny_llama, TreeShape(0, 0, 0))
+    plain, spec = run_both(tiny_llama, drafter, prompts(1)[0], new_tokens=12)
+    assert spec.token_ids == plain.token_ids
+    assert calls and all(plain_call for width, plain_call in calls if width == 1)
+    drafting = EagleDrafter(new_head(tiny_llama, seed=5), tiny_llama, TreeShape(2, 2, 3))
+    calls.clear()
+    run_both(tiny_llama, drafting, prompts(1)[0], new_tokens=12)
+    assert any(width > 1 and not plain_call for width, plain_call in calls)  # trees still get their mask
+
+
 # ---- hybrid drafting: n-gram branches merged into the tree ------------------------------------
 
 def repetitive_prompts(count: int, vocab: int, length: int = 10):

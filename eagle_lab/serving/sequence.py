@@ -27,7 +27,7 @@ import torch
 from eagle_lab.cache import keep_accepted
 from eagle_lab.draft import Drafter, TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import GenerationStats, Stopper, _check_prompt, _head_features, _ngram_counts
+from eagle_lab.generate import GenerationStats, Stopper, _check_prompt, _head_features, _ngram_counts, score_tree
 from eagle_lab.sampling import SamplingParams, next_token
 from eagle_lab.target import Target
 from eagle_lab.tree import DraftTree, root_only_tree
@@ -113,8 +113,7 @@ class Sequence:
         if self.plain:
             out = self.target.forward(tree.tokens[None], self.cache)  # (1, 1) token
         else:
-            positions = (past + tree.depths)[None]  # (1, N)
-            out = self.target.forward(tree.tokens[None], self.cache, positions, tree.mask, self.layer_ids)
+            out = score_tree(self.target, tree, self.cache, past, self.layer_ids)
         return Scored(out.features[0], _head_features(out)[0], lambda accepted: keep_accepted(self.cache, past, accepted))
 
     @torch.no_grad()
