@@ -146,7 +146,8 @@ def test_ragged_accepts_and_depths_near_the_context_limit():
 def test_one_head_forward_per_level_for_the_whole_batch(tiny_llama):
     """Three rows of depth 3: 3 head forwards (step 1, then 2 levels) for all, against 9 alone."""
     prototype = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(3, 2, 6))
-    prompts = [as_tensor(encode_prompt(tiny_llama.tokenizer, p, chat=False), tiny_llama.device) for p in ("a", "bc", "def")]
+    prompts = [as_tensor(encode_prompt(tiny_llama.tokenizer, p, chat=False), tiny_llama.device)
+               for p in ("a", "bc", "def")]
     sequences = [new_sequence(tiny_llama, fork_eagle(prototype), p, 10) for p in prompts]
     calls = []
     hook = prototype.head.register_forward_hook(lambda module, args, out: calls.append(out.shape[:2]))
