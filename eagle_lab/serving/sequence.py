@@ -5,7 +5,8 @@ at the target forward so that one forward can score the trees of many sequences:
 
   prefill()      the prompt alone (batch 1): the first token
   draft(shape)   this round's tree: the drafter's, or the root alone (method=vanilla, or
-                 plain decoding chosen for this batch size)
+                 plain decoding chosen for this batch size); split in prepare_draft() and
+                 set_tree() so that eagle_lab.serving.batch_draft can draft many sequences at once
   -- the scheduler scores the tree: score_alone() (batch 1: exactly generate.py's call) or
      eagle_lab.serving.batch.PaddedBatch.score() (one padded forward for all sequences) --
   accept(scored) verify with this sequence's own generator, compact its cache, emit tokens
