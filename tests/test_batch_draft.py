@@ -60,7 +60,7 @@ def same_tree(got, want) -> bool:
 def run_rounds(target, sequences, joining, drafting, depth_cap=None, rounds=40):
     """Rounds over the live sequences (`joining`: round -> sequence joining then), each drafted by
     `drafting` and, for every EAGLE row, by its twin alone; -> per round the unseen counts of EAGLE rows
-    whether every tree matched its twin's, and the batch size. Each sequence is scored alone (the target side is not
+    whether every tree matched its twin's, the batch size, and how many EAGLE trees got n-gram nodes. Each sequence is scored alone (the target side is not
     under test here); depth_cap(round, index) lowers a row's max depth (as the context limit would)."""
     twins = {id(s): fork_eagle(s.drafter) for s in sequences if isinstance(s.drafter, EagleDrafter)}
     live, log = list(sequences), []
@@ -89,7 +89,9 @@ def run_rounds(target, sequences, joining, drafting, depth_cap=None, rounds=40):
             live[0].draft()
         for sequence in live:
             sequence.__dict__.pop("prepare_draft", None)
-        log.append((counts, all(same_tree(s.tree, expected[id(s)]) for s in live if id(s) in expected), len(live)))
+        matched = all(same_tree(s.tree, expected[id(s)]) for s in live if id(s) in expected)
+        chains = sum(s.tree.from_ngram is not None for s in live if id(s) in expected)  # trees with n-gram nodes
+        log.append((counts, matched, len(live), chains))
         for sequence in live:  # every candidate's draft score, not only the kept ones, up to float rounding
             twin = twins.get(id(sequence))
             if twin is not None and twin.last_candidates is not None:
@@ -109,25 +111,29 @@ def run_rounds(target, sequences, joining, drafting, depth_cap=None, rounds=40):
 
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
 def test_batched_trees_equal_each_drafters_own(tiny_target, kind):
-    """Four EAGLE rows of one head (ragged shapes, one hybrid), one of another head, n-gram and vanilla
-    rows; the fourth EAGLE row joins at round 3, the short ones leave, the last rounds run alone."""
+    """Three EAGLE rows of one head (ragged shapes, hybrid and not), two of another head, n-gram and
+    vanilla rows; a fourth row of the first head joins at round 3, the short ones leave (the second
+    head's last row then drafts alone in the batch), the last rounds run at batch 1."""
     prototype = EagleDrafter(head_for(tiny_target, kind), tiny_target, SHAPES[0],
                              ngram=NgramProposer(1, 3, 4))
     other = EagleDrafter(head_for(tiny_target, kind, seed=1), tiny_target, TreeShape(2, 2, 3))
     prompts = [as_tensor(encode_prompt(tiny_target.tokenizer, p, chat=False), tiny_target.device)
-               for p in ("Hi", "Tell me a story about a dragon.", "1 2 3 1 2 3 1 2", "def f(x):", "abc abc ab")]
-    drafters = [fork_eagle(prototype), fork_with(prototype, SHAPES[1]),
-                fork_eagle(other), NgramDrafter(NgramProposer(1, 3, 4)), None]
-    drafters[1].ngram = None  # hybrid and not, in one head batch
-    sequences = [new_sequence(tiny_target, d, p, n) for d, p, n in zip(drafters, prompts, (8, 30, 12, 10, 6))]
+               for p in ("Hi", "Tell me a story about a dragon.", "1 2 3 1 2 3 1 2", "def f(x):", "abc abc ab",
+                         "x = 1; y = 2; x = 1;")]
+    drafters = [fork_eagle(prototype), fork_with(prototype, SHAPES[1]), fork_eagle(other),
+                NgramDrafter(NgramProposer(1, 3, 4)), None, fork_eagle(other)]
+    drafters[0].ngram = None  # hybrid and not, in one head batch
+    sequences = [new_sequence(tiny_target, d, p, n) for d, p, n in zip(drafters, prompts, (8, 30, 12, 10, 6, 20))]
     joiner = new_sequence(tiny_target, fork_with(prototype, SHAPES[2]), prompts[2], 24)
     drafting = BatchDrafter()
     log = run_rounds(tiny_target, sequences, {3: [joiner]}, drafting)
-    assert all(matched for _, matched, _ in log)
+    assert all(matched for _, matched, _, _ in log)
     assert len(log) >= 10 and all(s.done for s in sequences + [joiner])
-    assert any(len(set(counts)) > 1 for counts, _, _ in log)  # ragged step-1 lengths in one forward
-    assert [size for _, _, size in log][-1] == 1 and max(size for _, _, size in log) == 6  # 6 rows, then alone
-    assert drafting.gathers >= 2  # rebuilt when the joiner came and when rows left
+    assert any(len(set(counts)) > 1 for counts, _, _, _ in log)  # ragged step-1 lengths in one forward
+    assert [size for _, _, size, _ in log][-1] == 1 and max(size for _, _, size, _ in log) == 7  # 7 rows, then 1
+    assert sum(chains for _, _, size, chains in log if size > 1) >= 3  # batched rows' n-gram merges compared
+    assert len(drafting.batches) == 2 and all(b.gathers >= 1 for b in drafting.batches.values())  # two heads
+    assert drafting.gathers >= 3  # rebuilt when the joiner came and when rows left
 
 
 def test_ragged_accepts_and_depths_near_the_context_limit():
@@ -139,8 +145,8 @@ def test_ragged_accepts_and_depths_near_the_context_limit():
     sequences = [new_sequence(target, fork_with(prototype, shape), p, 40) for shape, p in zip(SHAPES, prompts)]
     caps = (0, 1, 2, 50, 50)
     log = run_rounds(target, sequences, {}, BatchDrafter(), lambda number, index: caps[(number + index) % len(caps)])
-    assert all(matched for _, matched, _ in log)
-    assert sum(len(set(counts)) > 1 and max(counts) > 1 for counts, _, _ in log[1:]) >= 3  # accepted lengths differ
+    assert all(matched for _, matched, _, _ in log)
+    assert sum(len(set(counts)) > 1 and max(counts) > 1 for counts, *_ in log[1:]) >= 3  # accepted lengths differ
 
 
 def test_one_head_forward_per_level_for_the_whole_batch(tiny_llama):
