@@ -21,6 +21,7 @@ from eagle_lab.ngram import NgramDrafter, NgramProposer
 from eagle_lab.prompts import as_tensor, encode_prompt
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.serving.batch import PaddedBatch, padded_mask
+from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory, fork_eagle
 from eagle_lab.serving.engine import Engine, Finished, Plan
@@ -124,11 +125,13 @@ def test_padded_mask_sees_own_past_and_ancestors_only():
     assert seen[1] == [[1, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 1, 0, 1]]  # padding past unseen
 
 
-def test_sampling_at_batch_four_keeps_the_target_distribution():
+@pytest.mark.parametrize("batched_drafting", [False, True], ids=["drafting-alone", "drafting-batched"])
+def test_sampling_at_batch_four_keeps_the_target_distribution(batched_drafting):
     """Four sequences per forward (two prompts of different lengths, each row its own seed),
     every row's 3-token sample tallied per prompt: both must follow the target's exact
     sequence distribution (the chi-square test of test_sampling_lossless, whose negative
-    controls show it rejects a wrong acceptance rule)."""
+    controls show it rejects a wrong acceptance rule). Drafting per sequence, or batched
+    (eagle_lab/serving/batch_draft.py, as the server drafts at batch >= 2)."""
     target = small_vocab_target()
     params = SamplingParams(temperature=0.9)
     prompts = [torch.tensor([1, 4, 2, 0]), torch.tensor([3, 1, 4, 2, 0, 1, 3])]
@@ -142,11 +145,15 @@ def test_sampling_at_batch_four_keeps_the_target_distribution():
                               torch.Generator().manual_seed(4 * group + row)) for row in range(4)]
         tokens = [s.prefill() for s in sequences]
         live = [i for i, s in enumerate(sequences) if not s.done]
-        batch = PaddedBatch(target)
+        batch, drafting = PaddedBatch(target), BatchDrafter()
         while live:
             rows = [sequences[i] for i in live]
-            for s in rows:
-                s.draft()
+            if batched_drafting and len(rows) > 1:
+                assert drafting.draft(rows) == [None] * len(rows)
+            else:
+                drafting.release()
+                for s in rows:
+                    s.draft()
             if len(rows) == 1:
                 batch.release()
             for i, row in zip(live, batch.score(rows) if len(rows) > 1 else [rows[0].score_alone()]):

@@ -5,15 +5,18 @@ leave between rounds, Scheduler._admit):
   1. cancelled jobs leave (their caches are freed);
   2. jobs admitted since the last round run their prefill alone (prompts differ in length, and
      a prefill is already a wide forward) and send their first token;
-  3. every other job drafts its tree with its own drafter, using the tree chosen for this
-     round's batch size (`trees`, from eagle_lab.tree_batch; none: the drafter's own tree);
+  3. every other job drafts its tree, using the tree chosen for this round's batch size
+     (`trees`, from eagle_lab.tree_batch; none: the drafter's own tree): at batch >= 2 the jobs
+     sharing a head draft together, one head forward per tree level (eagle_lab.serving.batch_draft,
+     its padded head cache kept while the same sequences share it); at batch 1, or with
+     batched_drafting=False, each job with its own drafter, exactly as generate.py;
   4. one forward scores all trees (eagle_lab.serving.batch; the padded cache is kept while
      the same sequences share the forward), or at batch 1 the sequence's own forward, exactly
      as generate.py runs it;
   5. each job verifies its rows with its own generator, compacts its cache, and sends its
      tokens; finished jobs leave.
-A failure in one job's own steps fails that job alone; a failing batched forward fails the
-jobs in it (500) and the others go on.
+A failure in one job's own steps fails that job alone; a failing batched forward (or batched
+draft) fails the jobs in it (500) and the others go on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 
 from eagle_lab.draft import TreeShape
 from eagle_lab.serving.batch import PaddedBatch
+from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.scheduler import Job, Scheduler
 from eagle_lab.target import Target
 
@@ -31,12 +35,14 @@ log = logging.getLogger(__name__)
 class BatchScheduler(Scheduler):
     """Jobs' `start` must return an eagle_lab.serving.engine.Decoding."""
 
-    def __init__(self, max_batch: int, max_queue: int, target: Target, trees: dict[int, TreeShape] | None = None):
+    def __init__(self, max_batch: int, max_queue: int, target: Target, trees: dict[int, TreeShape] | None = None,
+                 batched_drafting: bool = True):
         super().__init__(max_batch, max_queue)
         self.target = target
         self.trees = trees or {}  # batch size -> tree (empty: every drafter keeps its own tree)
         self.batch_sizes: dict[int, int] = {}  # batch size -> rounds scored at that size (for /health, bench)
         self.batch = PaddedBatch(target)  # the padded cache, kept while the same sequences share the forward
+        self.drafting = BatchDrafter() if batched_drafting else None  # the padded head caches, likewise
 
     def _round(self, jobs: list[Job]) -> None:
         ready = []
@@ -48,7 +54,16 @@ class BatchScheduler(Scheduler):
             else:
                 ready.append(job)
         shape = self.trees.get(len(ready)) if len(ready) > 1 else None
-        drafted = [job for job in ready if self._step(job, lambda job=job: job.stream.sequence.draft(shape))]
+        if self.drafting is not None and len(ready) > 1:
+            errors = self.drafting.draft([job.stream.sequence for job in ready], shape)
+            for job, exc in zip(ready, errors):
+                if exc is not None:
+                    self._fail(job, exc)
+            drafted = [job for job, exc in zip(ready, errors) if exc is None]
+        else:
+            if self.drafting is not None:
+                self.drafting.release()  # a lone sequence drafts on its own head cache
+            drafted = [job for job in ready if self._step(job, lambda job=job: job.stream.sequence.draft(shape))]
         if len(drafted) < 2:
             self.batch.release()  # a lone sequence (or none) runs on its own cache
         if not drafted:

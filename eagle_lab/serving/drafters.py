@@ -6,6 +6,8 @@ rounds interleave through one drafter would read each other's cache, so every se
 its own drafter. The forks share what is read-only: the head module (weights), the target,
 the tree shape (tree=auto measured it once, on the prototype) and the draft LM-head rows
 (`lm_weight`: with a reduced draft vocabulary it is a copy of [Vd, H] rows, not re-made per fork).
+At batch >= 2 forks of one head draft together (eagle_lab.serving.batch_draft), in a padded copy
+of their caches that is handed back to each fork when the batch changes.
 """
 
 from __future__ import annotations

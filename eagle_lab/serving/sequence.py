@@ -5,7 +5,8 @@ at the target forward so that one forward can score the trees of many sequences:
 
   prefill()      the prompt alone (batch 1): the first token
   draft(shape)   this round's tree: the drafter's, or the root alone (method=vanilla, or
-                 plain decoding chosen for this batch size)
+                 plain decoding chosen for this batch size); split in prepare_draft() and
+                 set_tree() so that eagle_lab.serving.batch_draft can draft many sequences at once
   -- the scheduler scores the tree: score_alone() (batch 1: exactly generate.py's call) or
      eagle_lab.serving.batch.PaddedBatch.score() (one padded forward for all sequences) --
   accept(scored) verify with this sequence's own generator, compact its cache, emit tokens
@@ -92,19 +93,31 @@ class Sequence:
         """shape: the tree for the current batch size (None: the drafter's own, as at batch 1).
         A shape of depth 0 is plain decoding: the head is not run, and the features it did not
         see are kept for the next round that drafts (its cache stays in step)."""
+        max_depth = self.prepare_draft(shape)
+        if max_depth is None:
+            return self.tree
+        return self.set_tree(self.drafter.draft(self.sequence, self.unseen, max_depth=max_depth))
+
+    def prepare_draft(self, shape: TreeShape | None = None) -> int | None:
+        """The first half of draft(): give the drafter this round's tree; -> the depth the drafter
+        may reach (the context limit), or None when the tree is the root alone (then already set).
+        eagle_lab.serving.batch_draft drafts several sequences between this and set_tree."""
         root = int(self.sequence[-1])
         device = self.sequence.device
         effective = shape if shape is not None else self.own_shape
         plain = effective is not None and effective.depth == 0 and getattr(self.drafter, "ngram", None) is None
         if self.drafter is None or plain:  # (with n-gram branches, depth 0 is n-gram drafting alone)
             self.tree = root_only_tree(root, device)
-            return self.tree
+            return None
         if hasattr(self.drafter, "shape"):
             self.drafter.shape = effective
-        max_depth = self.target.max_context - 1 - self.past
-        self.tree = self.drafter.draft(self.sequence, self.unseen, max_depth=max_depth)
+        return self.target.max_context - 1 - self.past
+
+    def set_tree(self, tree: DraftTree) -> DraftTree:
+        """The second half of draft(): this round's tree, drafted from every unseen feature."""
+        self.tree = tree
         self.unseen = self.unseen[:0]  # fed to the drafter
-        return self.tree
+        return tree
 
     @torch.no_grad()
     def score_alone(self) -> Scored:
