@@ -100,18 +100,24 @@ def _engine(cfg: ServeConfig, method: str, target: Target, max_batch: int):
     method_cfg = replace(cfg, method=method, server=replace(cfg.server, max_batch=max_batch))
     prototype = make_drafter(method_cfg, target)
     trees = batch_trees(method_cfg, target, prototype)
-    own = asdict(prototype.shape) if isinstance(prototype, EagleDrafter) else None
-    shapes = {b: (asdict(trees[b]) if b in trees else own) for b in range(1, max_batch + 1)}
+    own = None
+    if isinstance(prototype, EagleDrafter):
+        own = {**asdict(prototype.shape), "ngram_tokens": prototype.ngram.max_tokens if prototype.ngram else 0}
+    shapes = {b: ({**asdict(trees[b].shape), "ngram_tokens": trees[b].ngram_tokens or 0} if b in trees else own)
+              for b in range(1, max_batch + 1)}
     return Engine(method_cfg, target, drafter_factory(prototype)), {"shapes": shapes, "trees": trees}
 
 
 def tree_label(batch_trees: dict, batch: int) -> str:
+    """'d3 k2 n6', 'd1 k2 n2 + ngram 4', 'ngram 4' (n-gram only) or 'plain (no draft)'."""
     shape = batch_trees["shapes"].get(batch)
     if shape is None:
         return "-"
+    chain = shape.get("ngram_tokens") or 0
     if shape["depth"] == 0:
-        return "plain (no draft)"
-    return f"d{shape['depth']} k{shape['topk']} n{shape['total_tokens']}"
+        return f"ngram {chain}" if chain else "plain (no draft)"
+    head = f"d{shape['depth']} k{shape['topk']} n{shape['total_tokens']}"
+    return f"{head} + ngram {chain}" if chain else head
 
 
 def run_level(engine, target: Target, batch_trees: dict, encoded: list[list[int]], params: SamplingParams,

@@ -40,6 +40,15 @@ class TreeShape:
             raise EagleLabError(f"tree needs depth, topk and total_tokens >= 0; got {self}")
 
 
+@dataclass(frozen=True)
+class BatchTree:
+    """The tree for one batch size (eagle_lab/tree_batch.py): the head's shape and, with hybrid
+    drafting, the n-gram chain length merged into it (0: none; None: the drafter's own)."""
+
+    shape: TreeShape
+    ngram_tokens: int | None = None
+
+
 @dataclass
 class Candidates:
     """Every node the last draft considered, before the final top-`total_tokens` cut.

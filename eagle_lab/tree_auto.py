@@ -105,6 +105,15 @@ class CostModel:
         scored = shape.total_tokens + extra
         return self.model_ms(shape, extra) + self.overhead_ms + self.overhead_per_token_ms * scored + propose
 
+    def row_ms(self, row: dict) -> float:
+        """Mean ms per round of a replayed row: with n-gram branches, priced round by round by the
+        tokens the chain added (a round pays for every token it scores)."""
+        shape = TreeShape(**row["shape"])
+        if not row.get("ngram_tokens"):
+            return self.round_ms(shape)
+        extra = {int(k): v for k, v in row["extra"].items()}
+        return sum(v * self.round_ms(shape, k, ngram=True) for k, v in extra.items()) / max(sum(extra.values()), 1)
+
     def model_ms(self, shape: TreeShape, extra: int = 0) -> float:
         """The two models' share of a tree round: scoring total_tokens + extra + 1, drafting depth levels
         (none at depth 0: an n-gram-only round does not run the head)."""
@@ -379,13 +388,8 @@ def replay_all(recording: Recording, search: TreeSearchConfig, lengths: list[int
 
 
 def row_ms(row: dict, costs: CostModel) -> float:
-    """Mean ms per round of a replayed row: with n-gram branches, priced round by round by the
-    tokens the chain added (a round pays for every token it scores)."""
-    shape = TreeShape(**row["shape"])
-    if not row.get("ngram_tokens"):
-        return costs.round_ms(shape)
-    extra = {int(k): v for k, v in row["extra"].items()}
-    return sum(v * costs.round_ms(shape, k, ngram=True) for k, v in extra.items()) / max(sum(extra.values()), 1)
+    """Mean ms per round of a replayed row (costs.row_ms; batch sizes price rows their own way)."""
+    return costs.row_ms(row)
 
 
 def choose(shapes: list[dict], costs: CostModel, fixed: TreeShape) -> tuple[TreeShape, list[dict]]:

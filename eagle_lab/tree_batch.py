@@ -2,22 +2,25 @@
 
 tree=auto (eagle_lab/tree_auto.py) prices each candidate shape at batch 1 from measured
 costs and the accept length replayed on recorded drafts. At batch B one round scores the B
-trees in one padded forward and runs B drafters one after another (each sequence's head has
-its own cache), so per round
+trees in one padded forward and drafts the B trees with one head forward per level
+(eagle_lab/serving/batch_draft.py), so per round
 
-    tree round   target_B(total_tokens + 1) + B x (draft(shape) + overhead(shape))
+    tree round   E[target_B(padded K)] + s_B x draft(shape) + B x (overhead(shape) + proposing)
     plain round  target_B(1) + B x (per-row cost of a no-draft round besides its forward)
 
 where target_B(K) is the measured cost of one forward of B rows of K tokens each after a
 realistic cached prefix (a cheap probe at a few batch sizes, interpolated between them; it
 includes a gather of the padded cache, which a kept batch pays only when its members change,
-so the price is a little high), and the draft and overhead terms are tree=auto's
-batch-1 measurements. The batch emits B x tau tokens per round, so the best shape at B
-maximises tau / round_ms(B). A forward's cost grows with B x K once the device is busy (a
-CPU always is), while the B drafters and overheads add up: trees shrink as B grows, down to
-plain decoding (depth 0) where no tree pays. Accept lengths do not depend on B, so the
-replayed tau of every shape is reused as is. Shapes are searched without n-gram branches:
-with hybrid drafting on, every batch size keeps the batch-1 choice.
+so the price is a little high), s_B is what batched drafting of B rows costs in single-row
+drafts (probed the same way), and the draft and overhead terms are tree=auto's batch-1
+measurements. With hybrid drafting each row's tree also holds its n-gram chain, whose length
+varies round by round; the padded forward is as wide as the widest row, so it is priced at the
+expected maximum of B rows drawn from the replayed distribution of chain tokens added, and
+n-gram-only rows by their own timed round cost. The batch emits B x tau tokens per round, so
+the best shape (and chain length) at B maximises tau / round_ms(B). A forward's cost grows with
+B x K once the device is busy (a CPU always is): trees shrink as B grows, down to plain
+decoding (depth 0, no chain) where none pays. Accept lengths do not depend on B, so the
+replayed tau of every shape is reused as is.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.draft import BatchTree, EagleDrafter, TreeShape
 from eagle_lab.embedded import cache_root
+from eagle_lab.ngram import NgramProposer
 from eagle_lab.target import Target
 from eagle_lab.tree import build_tree
 from eagle_lab.tree_auto import CostModel, TreeSearchConfig, _timed, calibration, choose
@@ -58,21 +62,57 @@ def interpolate(table: dict[int, float], x: float) -> float:
 
 @dataclass(kw_only=True)  # batch fields by name: CostModel may grow fields
 class BatchCostModel(CostModel):
-    """tree=auto's costs, with the forward priced for `batch` rows (batch_target_ms: K per row -> ms)."""
+    """tree=auto's costs at `batch` rows: the padded forward from batch_target_ms (K per row -> ms),
+    drafting from draft_scale (batched drafting of all rows costs that many single-row drafts;
+    None: rows draft one after another, `batch` of them)."""
 
     batch: int = 1
     batch_target_ms: dict[int, float] = field(default_factory=dict)
+    draft_scale: float | None = None
 
     def round_ms(self, shape: TreeShape, extra: int = 0, ngram: bool = False) -> float:
-        if extra or ngram:
-            raise ValueError("trees per batch size are searched without n-gram branches")
-        if shape.depth == 0:  # plain decoding: the measured no-draft round less its own forward, per row
-            per_row = max((self.plain_ms or self.target(1)) - self.target(1), 0.0)
-            return interpolate(self.batch_target_ms, 1) + self.batch * per_row
+        """A round in which every row's tree holds `extra` chain tokens."""
+        forward = interpolate(self.batch_target_ms, shape.total_tokens + extra + 1)
+        return forward + self.drafting_ms(shape) + self.batch * self.per_row_ms(shape, extra, ngram)
+
+    def row_ms(self, row: dict) -> float:
+        """A replayed row at this batch size: the forward at the expected widest row, every row's
+        own costs at their mean over the replayed rounds."""
+        shape = TreeShape(**row["shape"])
+        ngram = bool(row.get("ngram_tokens"))
+        extra = {int(k): v for k, v in row["extra"].items()} if ngram else {0: 1}
+        rounds = sum(extra.values())
+        forward = expected_widest(self.batch_target_ms, extra, shape.total_tokens + 1, self.batch)
+        per_row = sum(v * self.per_row_ms(shape, k, ngram) for k, v in extra.items()) / rounds
+        return forward + self.drafting_ms(shape) + self.batch * per_row
+
+    def drafting_ms(self, shape: TreeShape) -> float:
+        if shape.depth == 0:
+            return 0.0  # plain or n-gram only: the head is not run
         level = self.level_ms.get(shape.topk) or max(self.level_ms.values())
-        draft = self.first_level_ms + (shape.depth - 1) * level
-        per_row = draft + self.overhead_ms + self.overhead_per_token_ms * shape.total_tokens
-        return interpolate(self.batch_target_ms, shape.total_tokens + 1) + self.batch * per_row
+        one = self.first_level_ms + (shape.depth - 1) * level
+        return one * (self.draft_scale if self.draft_scale is not None else self.batch)
+
+    def per_row_ms(self, shape: TreeShape, extra: int, ngram: bool) -> float:
+        """One row's cost besides the shared forward and drafting (bookkeeping, verification, proposing)."""
+        propose = self.ngram_ms if ngram else 0.0
+        if shape.depth == 0 and extra == 0:  # root alone: the no-draft round less its own forward
+            return max((self.plain_ms or self.target(1)) - self.target(1), 0.0) + propose
+        if shape.depth == 0 and self.ngram_round_ms is not None:  # n-gram only: its timed cost (proposing in it)
+            return self.ngram_round_ms
+        return self.overhead_ms + self.overhead_per_token_ms * (shape.total_tokens + extra) + propose
+
+
+def expected_widest(table: dict[int, float], extra: dict[int, int], base: int, batch: int) -> float:
+    """E[table(base + max of `batch` draws of the added tokens)], the draws from the histogram `extra`."""
+    rounds = sum(extra.values())
+    expected, below, previous = 0.0, 0, 0.0
+    for added in sorted(extra):
+        below += extra[added]
+        at_most = (below / rounds) ** batch  # P(the widest row adds <= `added`)
+        expected += (at_most - previous) * interpolate(table, base + added)
+        previous = at_most
+    return expected
 
 
 def batch_forward_costs(probe: dict[int, dict[int, float]], batch: int) -> dict[int, float]:
@@ -130,38 +170,79 @@ def probe(target: Target, context: int, max_batch: int) -> dict[int, dict[int, f
     return costs
 
 
+def probe_drafting(target: Target, drafter: EagleDrafter, context: int, max_batch: int,
+                   reps: int = 2) -> dict[int, float]:
+    """batch -> what batched drafting of that many rows costs, in single-row drafts (1.0 at batch 1),
+    timed on tree=cpu's shape (measured once per target, head architecture, device and thread
+    count; cached)."""
+    from eagle_lab.serving.batch_draft_bench import time_drafting
+
+    batches = sorted({b for b in PROBE_BATCHES if b <= max_batch} | {max_batch})
+    blob = json.dumps({"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
+                       "head": asdict(drafter.head.arch), "context": context, "batches": batches,
+                       "threads": torch.get_num_threads()}, sort_keys=True, default=str)
+    path = cache_root() / "tree_auto" / f"{target.name}-drafting-{hashlib.sha1(blob.encode()).hexdigest()[:16]}.json"
+    if path.is_file():
+        return {int(b): v for b, v in json.loads(path.read_text()).items()}
+    log.info("tree per batch size: timing batched drafting at batch %s (once; cached in %s)", batches, path)
+    reference = EagleDrafter(drafter.head, target, TreeShape(4, 4, 12))
+    timed = time_drafting(target, reference, [1] + batches, past=min(context, 128), reps=reps)
+    single = timed[1]["alone_ms"]
+    scales = {1: 1.0, **{b: max(timed[b]["batched_ms"] / single, 1.0) for b in batches}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(scales, indent=1))
+    return scales
+
+
 def choose_per_batch(shapes: list[dict], costs: CostModel, probed: dict[int, dict[int, float]], max_batch: int,
-                     fixed: TreeShape) -> dict[int, tuple[TreeShape, dict]]:
-    """batch size (2..max_batch) -> (fastest shape, its ranked row with predicted per-row tokens/s).
-    probed: batch -> {K per row -> ms}; batch 1 comes from costs.target_ms."""
+                     fixed: TreeShape, draft_scales: dict[int, float] | None = None
+                     ) -> dict[int, tuple[TreeShape, dict]]:
+    """batch size (2..max_batch) -> (fastest shape, its ranked row with predicted per-row tokens/s;
+    the row's "ngram_tokens" is the chain length chosen when the shapes were replayed with chains).
+    probed: batch -> {K per row -> ms}; batch 1 comes from costs.target_ms. draft_scales: batch ->
+    batched drafting's cost in single-row drafts (None: rows draft one after another)."""
     table = {1: {k: costs.target(k) for k in next(iter(probed.values()))}, **probed}
-    rows = [row for row in shapes if not row.get("ngram_tokens")]
     chosen = {}
     for batch in range(2, max_batch + 1):
         model = BatchCostModel(costs.target_ms, costs.level_ms, costs.first_level_ms, costs.overhead_ms,
-                               costs.overhead_per_token_ms, costs.plain_ms, batch=batch,
-                               batch_target_ms=batch_forward_costs(table, batch))
-        shape, ranked = choose(rows, model, fixed)
+                               costs.overhead_per_token_ms, costs.plain_ms, costs.ngram_ms, costs.ngram_round_ms,
+                               batch=batch, batch_target_ms=batch_forward_costs(table, batch),
+                               draft_scale=interpolate(draft_scales, batch) if draft_scales else None)
+        shape, ranked = choose(shapes, model, fixed)
         chosen[batch] = (shape, ranked[0])
     return chosen
 
 
 def trees_per_batch(target: Target, drafter: EagleDrafter, fixed: TreeShape, max_batch: int,
-                    search: TreeSearchConfig | None = None) -> dict[int, TreeShape]:
-    """After auto_tree: the tree for each batch size 2..max_batch (batch 1 keeps the drafter's)."""
+                    search: TreeSearchConfig | None = None, ngram: NgramProposer | None = None
+                    ) -> dict[int, BatchTree]:
+    """After auto_tree: the tree for each batch size 2..max_batch (batch 1 keeps the drafter's).
+    ngram: the proposer tree=auto calibrated with (hybrid drafting; auto_tree may have shortened
+    the drafter's, or removed it). While the drafter keeps a proposer, each batch size also gets
+    its chain length (0: none); without one, chains are not searched."""
     if max_batch < 2:
         return {}
-    if drafter.ngram is not None:
-        log.info("tree per batch size: hybrid drafting is on; every batch size keeps %s", drafter.shape)
-        return {}
     search = search or TreeSearchConfig()
-    summary, costs, _ = calibration(target, drafter, fixed, search=search)
-    chosen = choose_per_batch(summary["shapes"], costs, probe(target, search.context, max_batch), max_batch, fixed)
-    log.info("tree per batch size: 1: depth=%d topk=%d total_tokens=%d (tree=auto)", drafter.shape.depth,
-             drafter.shape.topk, drafter.shape.total_tokens)
+    chosen_ngram, drafter.ngram = drafter.ngram, ngram  # the calibration tree=auto made (and cached)
+    try:
+        summary, costs, _ = calibration(target, drafter, fixed, search=search)
+        drafter.ngram = None  # drafting is timed without chains, as calibration times it
+        scales = probe_drafting(target, drafter, search.context, max_batch)
+    finally:
+        drafter.ngram = chosen_ngram
+    hybrid = chosen_ngram is not None
+    shapes = [row for row in summary["shapes"] if hybrid or not row.get("ngram_tokens")]
+    chosen = choose_per_batch(shapes, costs, probe(target, search.context, max_batch), max_batch, fixed, scales)
+    log.info("tree per batch size: 1: depth=%d topk=%d total_tokens=%d%s (tree=auto)", drafter.shape.depth,
+             drafter.shape.topk, drafter.shape.total_tokens,
+             f" + n-gram chains of {chosen_ngram.max_tokens}" if hybrid else "")
+    trees = {}
     for batch, (shape, row) in chosen.items():
+        chain = int(row.get("ngram_tokens", 0))
+        head = "no head" if shape.depth == 0 else \
+            f"depth={shape.depth} topk={shape.topk} total_tokens={shape.total_tokens}"
         log.info("tree per batch size: %d: %s, predicted tau %.2f, %.1f tok/s in all", batch,
-                 "plain decoding (no draft)" if shape.depth == 0 else
-                 f"depth={shape.depth} topk={shape.topk} total_tokens={shape.total_tokens}",
-                 row["tau"], batch * row["tokens_per_s"])
-    return {batch: shape for batch, (shape, _) in chosen.items()}
+                 "plain decoding (no draft)" if shape.depth == 0 and not chain else
+                 head + (f" + n-gram chains of {chain}" if chain else ""), row["tau"], batch * row["tokens_per_s"])
+        trees[batch] = BatchTree(shape, chain if hybrid else None)
+    return trees

@@ -38,7 +38,7 @@ def test_sweep_reports_each_method_and_level_and_is_lossless(tmp_path):
         assert row["greedy_mismatches"] == 0 and row["vanilla_mismatches"] == 0  # batching is lossless
         assert 0 < row["latency_p50_s"] <= row["latency_p95_s"] and row["tokens_per_s"] > 0
     assert max(int(b) for b in rows[1]["batch_sizes"]) == 4 and set(rows[0]["batch_sizes"]) == {"1"}
-    assert rows[3]["tree"] == "d3 k2 n6" and rows[1]["tree"] == "-"
+    assert rows[3]["tree"] == "d3 k2 n6 + ngram 8" and rows[1]["tree"] == "-"  # hybrid drafting is on by default
     for name in ("sweep.json", "sweep.md", "sweep.png"):
         assert (tmp_path / "run" / name).stat().st_size > 0
     assert "| 0.0 | eagle | 4 |" in (tmp_path / "run" / "sweep.md").read_text(encoding="utf-8")

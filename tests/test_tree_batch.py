@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.draft import BatchTree, EagleDrafter, TreeShape
 from eagle_lab.generate import Stopper, generate, speculative_decode
 from eagle_lab.head import new_head
+from eagle_lab.ngram import NgramProposer
 from eagle_lab.prompts import as_tensor, encode_prompt
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.serving.batching import BatchScheduler
@@ -15,7 +16,8 @@ from eagle_lab.serving.drafters import drafter_factory, fork_eagle
 from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.sequence import Sequence
 from eagle_lab.tree_auto import CostModel
-from eagle_lab.tree_batch import BatchCostModel, choose_per_batch, interpolate, measure_batched_forward
+from eagle_lab.tree_batch import (BatchCostModel, choose_per_batch, expected_widest, interpolate, measure_batched_forward,
+                                  probe_drafting)
 from tests.serving_helpers import TINY, serve_config
 from tests.test_server_batching import Client, expected_alone, plan
 
@@ -117,3 +119,79 @@ def test_scheduler_switches_trees_with_the_batch_size(tiny_llama):
     assert {1, 2, 3} <= set(scheduler.batch_sizes)
     depths = [len(c.decoding.sequence.stats.reached_depth) for c in clients]  # deepest tree each one drafted
     assert clients[0].decoding.sequence.stats.rounds > 0 and depths == [0, 1, 3]  # batch 3 / 2 / alone at the end
+
+
+# ---- batched drafting and hybrid drafting at batch > 1 ----------------------------------------
+
+HYBRID = [  # replayed with chains: "extra" counts rounds by the chain tokens each added to the tree
+    {"shape": {"depth": 0, "topk": 0, "total_tokens": 0}, "tau": 1.0},
+    {"shape": {"depth": 0, "topk": 0, "total_tokens": 0}, "tau": 1.8, "ngram_tokens": 4, "extra": {"0": 1, "4": 1}},
+    {"shape": {"depth": 3, "topk": 2, "total_tokens": 6}, "tau": 2.2},
+    {"shape": {"depth": 3, "topk": 2, "total_tokens": 6}, "tau": 2.6, "ngram_tokens": 4,
+     "extra": {"0": 1, "2": 1, "4": 2}},
+]
+
+
+def test_expected_widest_row_prices_the_padded_forward():
+    table = {1: 10.0, 5: 50.0}  # 10 ms per token scored
+    assert expected_widest(table, {0: 1, 4: 1}, 1, 1) == pytest.approx(0.5 * 10.0 + 0.5 * 50.0)
+    assert expected_widest(table, {0: 1, 4: 1}, 1, 2) == pytest.approx(0.25 * 10.0 + 0.75 * 50.0)
+    assert expected_widest(table, {0: 3}, 1, 8) == pytest.approx(10.0)  # no chain: every row is the root alone
+
+
+def test_batched_drafting_and_ngram_rows_are_priced_per_batch():
+    costs = gpu_like_costs()
+    model = BatchCostModel(costs.target_ms, costs.level_ms, costs.first_level_ms, costs.overhead_ms,
+                           costs.overhead_per_token_ms, costs.plain_ms, 0.2, 1.0, batch=4,
+                           batch_target_ms={1: 12.0, 13: 24.0}, draft_scale=2.0)
+    one_draft = 0.5 + 2 * 0.3
+    # drafting four rows batched costs two single drafts, not four
+    assert model.round_ms(TreeShape(3, 2, 6)) == pytest.approx(18.0 + 2 * one_draft + 4 * (0.5 + 0.06))
+    # n-gram only, chains of 4 in half the rounds: forward at the expected widest row (1 - 0.5^4 add 4)
+    row = HYBRID[1]
+    forward = 0.5 ** 4 * 12.0 + (1 - 0.5 ** 4) * 16.0
+    per_row = 0.5 * ((10.5 - 10.0) + 0.2) + 0.5 * 1.0  # empty chain: no-draft row + proposing; else timed
+    assert model.row_ms(row) == pytest.approx(forward + 4 * per_row)
+
+
+def test_hybrid_chains_shrink_with_the_batch():
+    costs = gpu_like_costs()
+    costs.ngram_ms, costs.ngram_round_ms = 0.1, 0.6
+    scales = {2: 1.2, 4: 1.6, 8: 2.5}
+    chosen = choose_per_batch(HYBRID[:2], costs, busy_probe(slope=1.0), 8, TreeShape(0, 0, 0), scales)
+    chains = {b: row.get("ngram_tokens", 0) for b, (_, row) in chosen.items()}
+    assert chosen[2][0] == TreeShape(0, 0, 0) and chains[2] == 4  # a lightly loaded batch still copies
+    assert chosen[8][0] == TreeShape(0, 0, 0) and chains[8] == 0  # a saturated one decodes plainly
+    chosen = choose_per_batch(HYBRID, costs, busy_probe(slope=1.0), 8, TreeShape(0, 0, 0), scales)
+    assert chosen[2][0] == TreeShape(3, 2, 6)  # here the head's tree pays at batch 2 (its chains do not)
+    assert chosen[8][0] == TreeShape(0, 0, 0) and not chosen[8][1].get("ngram_tokens")
+
+
+def test_batched_drafting_probe_is_cached(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path))
+    drafter = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(2, 2, 3))
+    scales = probe_drafting(tiny_llama, drafter, context=16, max_batch=3, reps=1)
+    assert set(scales) == {1, 2, 3} and scales[1] == 1.0 and all(v >= 1.0 for v in scales.values())
+    assert len(list((tmp_path / "tree_auto").glob("*-drafting-*.json"))) == 1
+    assert probe_drafting(tiny_llama, drafter, context=16, max_batch=3) == scales  # read back, not re-timed
+
+
+def test_scheduler_switches_chain_lengths_with_the_batch_size(tiny_llama):
+    """A hybrid drafter: batch 3 copies no chain and drafts nothing, batch 2 copies chains of 2 with
+    no head, alone it keeps its own tree and chains; each request's greedy output is what it is alone."""
+    proposer = NgramProposer(min_match=1, max_match=2, max_tokens=6)
+    prototype = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(2, 2, 3), ngram=proposer)
+    engine = Engine(serve_config(*TINY), tiny_llama, drafter_factory(prototype))
+    trees = {2: BatchTree(TreeShape(0, 0, 0), 2), 3: BatchTree(TreeShape(0, 0, 0), 0)}
+    scheduler = BatchScheduler(max_batch=3, max_queue=4, target=tiny_llama, trees=trees)
+    plans = [plan(engine, f"abcabc {i} abcabc {'y' * i}", n) for i, n in enumerate((14, 26, 60))]
+    clients = [Client(engine, p, f"r{i}") for i, p in enumerate(plans)]
+    for client in clients:
+        scheduler.submit(client.job)
+    scheduler.start()
+    scheduler.stop(timeout=120)
+    assert [c.tokens for c in clients] == [expected_alone(engine, p) for p in plans]
+    assert {1, 2, 3} <= set(scheduler.batch_sizes)
+    last = clients[2].decoding.sequence
+    assert last.drafter.ngram == proposer  # back to its own chains once alone
+    assert len(last.stats.reached_depth) >= 1  # it drafted (chains, then its own tree)

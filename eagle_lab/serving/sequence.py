@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from eagle_lab.cache import keep_accepted
-from eagle_lab.draft import Drafter, TreeShape
+from eagle_lab.draft import BatchTree, Drafter, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats, Stopper, _check_prompt, _head_features, _ngram_counts, score_tree
 from eagle_lab.sampling import SamplingParams, next_token
@@ -55,6 +55,7 @@ class Sequence:
         self.params, self.stopper, self.generator, self.plain = params, stopper, generator, plain
         self.layer_ids = tuple(getattr(drafter, "feature_layers", ()))  # EAGLE-3 heads read several layers
         self.own_shape: TreeShape | None = getattr(drafter, "shape", None)  # the drafter's tree at batch 1
+        self.own_ngram = getattr(drafter, "ngram", None)  # and its n-gram proposer (hybrid drafting)
         self.cache = target.new_cache()
         self.stats = GenerationStats()
         self.reason = ""  # why it stopped ('' while running)
@@ -89,7 +90,7 @@ class Sequence:
         return self._emit([root])
 
     @torch.no_grad()
-    def draft(self, shape: TreeShape | None = None) -> DraftTree:
+    def draft(self, shape: TreeShape | BatchTree | None = None) -> DraftTree:
         """shape: the tree for the current batch size (None: the drafter's own, as at batch 1).
         A shape of depth 0 is plain decoding: the head is not run, and the features it did not
         see are kept for the next round that drafts (its cache stays in step)."""
@@ -98,12 +99,18 @@ class Sequence:
             return self.tree
         return self.set_tree(self.drafter.draft(self.sequence, self.unseen, max_depth=max_depth))
 
-    def prepare_draft(self, shape: TreeShape | None = None) -> int | None:
+    def prepare_draft(self, shape: TreeShape | BatchTree | None = None) -> int | None:
         """The first half of draft(): give the drafter this round's tree; -> the depth the drafter
         may reach (the context limit), or None when the tree is the root alone (then already set).
+        A BatchTree also sets the n-gram chain length of a hybrid drafter (None: its own).
         eagle_lab.serving.batch_draft drafts several sequences between this and set_tree."""
         root = int(self.sequence[-1])
         device = self.sequence.device
+        chain = shape.ngram_tokens if isinstance(shape, BatchTree) else None
+        shape = shape.shape if isinstance(shape, BatchTree) else shape
+        if self.own_ngram is not None:  # hybrid drafting: this batch size's chain length, or the own one
+            own = self.own_ngram
+            self.drafter.ngram = own if chain is None else replace(own, max_tokens=chain) if chain else None
         effective = shape if shape is not None else self.own_shape
         plain = effective is not None and effective.depth == 0 and getattr(self.drafter, "ngram", None) is None
         if self.drafter is None or plain:  # (with n-gram branches, depth 0 is n-gram drafting alone)

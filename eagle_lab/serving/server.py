@@ -63,13 +63,15 @@ def build_app(cfg: ServeConfig):
 def batch_trees(cfg: ServeConfig, target, prototype) -> dict:
     """tree=auto with server.tree_per_batch: the tree for each batch size (eagle_lab/tree_batch.py);
     else {} (every sequence drafts the drafter's own tree at any batch size)."""
+    from eagle_lab.builders import ngram_proposer
     from eagle_lab.draft import EagleDrafter, TreeShape
     from eagle_lab.tree_batch import trees_per_batch
 
     if not (cfg.tree.auto and cfg.server.tree_per_batch and isinstance(prototype, EagleDrafter)):
         return {}
     fixed = TreeShape(cfg.tree.depth, cfg.tree.topk, cfg.tree.total_tokens)
-    return trees_per_batch(target, prototype, fixed, cfg.server.max_batch)
+    calibrated = ngram_proposer(cfg.ngram) if cfg.ngram.enabled and cfg.method == "eagle" else None
+    return trees_per_batch(target, prototype, fixed, cfg.server.max_batch, ngram=calibrated)
 
 
 def run_server(cfg: ServeConfig) -> None:
