@@ -10,7 +10,10 @@ much as one, on a 2-core CPU several times more. So:
   3. replay each candidate shape (depth, k, total) on the recorded candidates: under greedy
      verification a tree accepts the longest path that follows the output, so its accept
      length is known exactly for the recorded rounds;
-  4. choose the shape with the highest (accepted + 1) / (target cost + draft cost + overhead).
+  4. rank the shapes by (accepted + 1) / (target cost + draft cost + overhead), then time the
+     best few in the decoding loop itself and choose by measured round time, plain decoding's
+     measured round among them (the model prices a round's parts one by one; a small tree's
+     round on a CPU can cost more than they add up to).
 "Do not draft" competes like for like: it is priced by timing the no-draft path itself (the
 same loop with the head switched off), not by a model. The per-round overhead of tree rounds
 (verification, cache compaction, bookkeeping) is fitted as a line in the tree size through
@@ -54,6 +57,7 @@ from eagle_lab.target import Target
 log = logging.getLogger(__name__)
 K_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 NGRAM_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # chain lengths searched, up to ngram.max_tokens
+VALIDATE_TOP = 3  # the model's best shapes timed in the decoding loop before one is chosen
 CALIBRATION_PROMPTS = (
     "Explain how a hash table works, with an example in Python.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -467,10 +471,7 @@ def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts
         summary = json.loads(path.read_text())
     else:
         log.info("tree=auto: measuring costs and acceptance on %s (once; cached in %s)", target.device, path)
-        if prompts is None:
-            from eagle_lab.prompts import encode_prompt
-
-            prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in CALIBRATION_PROMPTS]
+        prompts = prompts if prompts is not None else calibration_prompts(target)
         drafter.ngram = None  # calibrate times the head's trees alone; chains are recorded beside them
         try:
             summary = calibrate(target, drafter, prompts, search, ngram)
@@ -485,6 +486,53 @@ def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts
     return summary, costs, path
 
 
+def calibration_prompts(target: Target) -> list[list[int]]:
+    from eagle_lab.prompts import encode_prompt
+
+    return [encode_prompt(target.tokenizer, p, chat=True) for p in CALIBRATION_PROMPTS]
+
+
+def validate(target: Target, drafter: EagleDrafter, ranked: list[dict], costs: CostModel, fixed: TreeShape,
+             prompts: list[list[int]], search: TreeSearchConfig, ngram: NgramProposer | None) -> list[dict]:
+    """The model's best VALIDATE_TOP rows, timed in the decoding loop (median ms per round) and
+    re-ranked by replayed tau / measured round, with plain decoding (its measured round) among
+    them when the fixed fields allow it. The model prices each part of a round on its own; on a
+    CPU a small tree's round can cost more than its parts add up to, so the model may rank a
+    tree above plain decoding that is slower in the loop; the measured ranking decides."""
+    rows = []
+    saved = drafter.ngram
+    try:
+        for row in ranked[:VALIDATE_TOP]:
+            shape, chain = TreeShape(**row["shape"]), int(row.get("ngram_tokens", 0))
+            if shape.depth == 0 and not chain:
+                measured = costs.plain_ms or costs.round_ms(shape)
+            else:
+                drafter.ngram = replace(ngram, max_tokens=chain) if ngram is not None and chain else None
+                measured = timed_rounds(target, drafter, prompts, search.new_tokens, shape)
+            rows.append({**row, "measured_round_ms": measured, "measured_tokens_per_s": 1000 * row["tau"] / measured})
+    finally:
+        drafter.ngram = saved
+    free = not (fixed.depth or fixed.topk or fixed.total_tokens)
+    if free and costs.plain_ms and not any(r["shape"]["depth"] == 0 and not r.get("ngram_tokens") for r in rows):
+        rows.append({"shape": asdict(TreeShape(0, 0, 0)), "tau": 1.0, "measured_round_ms": costs.plain_ms,
+                     "measured_tokens_per_s": 1000 / costs.plain_ms})
+    return sorted(rows, key=lambda r: -r["measured_tokens_per_s"])
+
+
+def validated(target: Target, drafter: EagleDrafter, summary: dict, path: Path, ranked: list[dict], costs: CostModel,
+              fixed: TreeShape, prompts: list[list[int]] | None, search: TreeSearchConfig,
+              ngram: NgramProposer | None) -> list[dict]:
+    """validate()'s ranking for these fixed fields: read from the calibration file, else timed
+    once and added to it."""
+    key = f"d{fixed.depth}-k{fixed.topk}-n{fixed.total_tokens}"
+    done = summary.setdefault("validated", {})
+    if key not in done:
+        prompts = prompts if prompts is not None else calibration_prompts(target)
+        done[key] = validate(target, drafter, ranked, costs, fixed, prompts, search, ngram)
+        path.write_text(json.dumps(summary, indent=2))
+    return done[key]
+
+
 def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
               search: TreeSearchConfig | None = None, cache_dir: Path | None = None) -> TreeShape:
     """The fastest shape for this target, head and device (measured once, cached); sets it
@@ -494,14 +542,20 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
     (up to its max_tokens): the drafter's proposer is replaced by one with the chosen length,
     or removed when merging chains does not pay."""
     ngram = drafter.ngram
+    search = search or TreeSearchConfig()
     summary, costs, path = calibration(target, drafter, fixed, prompts, search, cache_dir)
-    chosen, ranked = choose(summary["shapes"], costs, fixed)
+    _, ranked = choose(summary["shapes"], costs, fixed)
+    measured = validated(target, drafter, summary, path, ranked, costs, fixed, prompts, search, ngram)
+    best = measured[0]
+    chosen, chain = TreeShape(**best["shape"]), int(best.get("ngram_tokens", 0))
     no_draft = 1000 / costs.round_ms(TreeShape(0, 0, 0))
-    chain = int(ranked[0].get("ngram_tokens", 0))
-    log.info("tree=auto chose depth=%d topk=%d total_tokens=%d%s: predicted tau %.2f, %.1f tok/s vs %.1f tok/s "
-             "measured without drafting (costs: %s)", chosen.depth, chosen.topk, chosen.total_tokens,
+    log.info("tree=auto chose depth=%d topk=%d total_tokens=%d%s: tau %.2f (replayed), %.1f tok/s timed in the "
+             "loop (model: %.1f; the model's first choice timed %.1f) vs %.1f tok/s without drafting (costs: %s)",
+             chosen.depth, chosen.topk, chosen.total_tokens,
              f" + n-gram chains of {chain} tokens" if chain else " (no n-gram branches)" if ngram else "",
-             ranked[0]["tau"], ranked[0]["tokens_per_s"], no_draft, path)
+             best["tau"], best["measured_tokens_per_s"], best.get("tokens_per_s", no_draft),
+             next(r["measured_tokens_per_s"] for r in measured if r["shape"] == ranked[0]["shape"]
+                  and r.get("ngram_tokens", 0) == ranked[0].get("ngram_tokens", 0)), no_draft, path)
     drafter.ngram = replace(ngram, max_tokens=chain) if ngram is not None and chain else None
     if chosen.depth == 0 and chain:
         log.info("tree=auto: n-gram drafting alone (no head run) is fastest here")

@@ -73,6 +73,26 @@ def test_auto_tree_calibrates_and_caches(tiny_llama, tmp_path):
     assert again.depth == 2 and len(list(tmp_path.glob("*.json"))) == 1  # served from the cache
 
 
+def test_timing_in_the_loop_overrules_the_model(tiny_llama, monkeypatch):
+    """The model ranks a one-token chain above plain decoding; its rounds timed in the loop decide."""
+    import eagle_lab.tree_auto as tree_auto
+
+    costs = CostModel({1: 10.0, 2: 11.0, 5: 12.0}, {1: 1.0}, 1.0, 0.0, 0.0, plain_ms=10.0)
+    ranked = [{"shape": {"depth": 1, "topk": 1, "total_tokens": 1}, "tau": 1.4, "tokens_per_s": 116.7},
+              {"shape": {"depth": 0, "topk": 0, "total_tokens": 0}, "tau": 1.0, "tokens_per_s": 100.0}]
+    drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(4, 4, 12))
+    args = (tiny_llama, drafter, ranked, costs, TreeShape(0, 0, 0), [[1, 2, 3]], TreeSearchConfig(), None)
+    monkeypatch.setattr(tree_auto, "timed_rounds", lambda *a: 20.0)  # a round costs two plain ones
+    rows = tree_auto.validate(*args)
+    assert rows[0]["shape"]["depth"] == 0 and rows[1]["measured_tokens_per_s"] == pytest.approx(70.0)
+    monkeypatch.setattr(tree_auto, "timed_rounds", lambda *a: 12.0)  # as cheap as the model said
+    assert tree_auto.validate(*args)[0]["shape"]["depth"] == 1
+    monkeypatch.setattr(tree_auto, "timed_rounds", lambda *a: 20.0)
+    fixed = tree_auto.validate(tiny_llama, drafter, ranked[:1], costs, TreeShape(1, 0, 0), [[1, 2, 3]],
+                               TreeSearchConfig(), None)
+    assert [r["shape"]["depth"] for r in fixed] == [1]  # a fixed depth never falls back to plain
+
+
 # ---- hybrid drafting: n-gram chains replayed and priced with the trees -------------------------
 
 def test_simulate_hybrid_accepts_the_longer_agreement_and_counts_added_tokens():
@@ -158,8 +178,9 @@ def test_auto_tree_with_ngram_calibrates_separately(tmp_path):
                       cm["first_level_ms"], cm["overhead_ms"], cm["overhead_per_token_ms"], cm["plain_ms"],
                       cm["ngram_ms"], cm["ngram_round_ms"])
     assert cm["ngram_round_ms"] is not None and cm["ngram_round_ms"] >= 0  # the prompts repeat: rounds were timed
-    best = choose(rows, costs, TreeShape(0, 0, 0))[1][0]
-    expected = best.get("ngram_tokens", 0)
+    timed = summary["validated"]["d0-k0-n0"]  # the model's best few, timed in the loop
+    assert {json.dumps(r["shape"]) for r in timed} >= {json.dumps(choose(rows, costs, TreeShape(0, 0, 0))[1][0]["shape"])}
+    expected = timed[0].get("ngram_tokens", 0)
     assert (drafter.ngram.max_tokens if drafter.ngram else 0) == expected  # the chosen chain length, or off
     if drafter.ngram:
         assert (drafter.ngram.min_match, drafter.ngram.max_match) == (2, 3)
