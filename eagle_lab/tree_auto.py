@@ -11,9 +11,9 @@ much as one, on a 2-core CPU several times more. So:
      verification a tree accepts the longest path that follows the output, so its accept
      length is known exactly for the recorded rounds;
   4. rank the shapes by (accepted + 1) / (target cost + draft cost + overhead), then time the
-     best few in the decoding loop itself and choose by measured round time, plain decoding's
-     measured round among them (the model prices a round's parts one by one; a small tree's
-     round on a CPU can cost more than they add up to).
+     best few in the decoding loop itself, plain decoding among them, each prompt decoded by
+     all of them in turn, and choose by measured tokens/s (the model prices a round's parts
+     one by one; a small tree's round on a CPU can cost more than they add up to).
 "Do not draft" competes like for like: it is priced by timing the no-draft path itself (the
 same loop with the head switched off), not by a model. The per-round overhead of tree rounds
 (verification, cache compaction, bookkeeping) is fitted as a line in the tree size through
@@ -75,6 +75,7 @@ class TreeSearchConfig:
     probe_shape: tuple[int, int, int] = (2, 2, 4)  # a small shape, timed to fit the overhead's slope
     new_tokens: int = 48
     context: int = 256
+    validate_new_tokens: int = 128  # per prompt when the best shapes are timed against plain decoding
 
 
 @dataclass
@@ -492,30 +493,55 @@ def calibration_prompts(target: Target) -> list[list[int]]:
     return [encode_prompt(target.tokenizer, p, chat=True) for p in CALIBRATION_PROMPTS]
 
 
+def decode_timings(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
+                   candidates: list[tuple[TreeShape, NgramProposer | None]]) -> list[dict]:
+    """Greedy decoding with each candidate (tree shape, n-gram proposer or None; depth 0 and no
+    proposer = the no-draft path): tokens, rounds and seconds summed over the prompts, prefills
+    not counted. Each prompt is decoded by every candidate in turn, in an order rotated from one
+    prompt to the next, so a drift in the machine's speed (other work, clocks) falls on all of
+    them alike instead of on whichever was timed last."""
+    totals = [{"tokens": 0, "rounds": 0, "seconds": 0.0} for _ in candidates]
+    saved_shape, saved_ngram = drafter.shape, drafter.ngram
+    try:
+        for p, ids in enumerate(prompts):
+            for c in [(p + i) % len(candidates) for i in range(len(candidates))]:
+                drafter.shape, drafter.ngram = candidates[c]
+                decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device),
+                                             SamplingParams(), Stopper(target.tokenizer, new_tokens, set()))
+                stamps, tokens = [], 0
+                for i, chunk in enumerate(decoder):  # the prefill's token, then one chunk per round
+                    stamps.append(time.perf_counter())
+                    tokens += len(chunk) if i else 0
+                totals[c]["tokens"] += tokens
+                totals[c]["rounds"] += len(stamps) - 1
+                totals[c]["seconds"] += stamps[-1] - stamps[0]
+    finally:
+        drafter.shape, drafter.ngram = saved_shape, saved_ngram
+    return totals
+
+
 def validate(target: Target, drafter: EagleDrafter, ranked: list[dict], costs: CostModel, fixed: TreeShape,
              prompts: list[list[int]], search: TreeSearchConfig, ngram: NgramProposer | None) -> list[dict]:
-    """The model's best VALIDATE_TOP rows, timed in the decoding loop (median ms per round) and
-    re-ranked by replayed tau / measured round, with plain decoding (its measured round) among
-    them when the fixed fields allow it. The model prices each part of a round on its own; on a
-    CPU a small tree's round can cost more than its parts add up to, so the model may rank a
-    tree above plain decoding that is slower in the loop; the measured ranking decides."""
-    rows = []
-    saved = drafter.ngram
-    try:
-        for row in ranked[:VALIDATE_TOP]:
-            shape, chain = TreeShape(**row["shape"]), int(row.get("ngram_tokens", 0))
-            if shape.depth == 0 and not chain:
-                measured = costs.plain_ms or costs.round_ms(shape)
-            else:
-                drafter.ngram = replace(ngram, max_tokens=chain) if ngram is not None and chain else None
-                measured = timed_rounds(target, drafter, prompts, search.new_tokens, shape)
-            rows.append({**row, "measured_round_ms": measured, "measured_tokens_per_s": 1000 * row["tau"] / measured})
-    finally:
-        drafter.ngram = saved
+    """The model's best VALIDATE_TOP rows, timed in the decoding loop and re-ranked by measured
+    tokens/s (tokens over seconds, as the benchmark measures it), with plain decoding timed in
+    the same interleaved runs when the fixed fields allow it. The model prices each part of a
+    round on its own; on a CPU a small tree's round can cost more than its parts add up to, so
+    the model may rank a tree above plain decoding that is slower in the loop; the measured
+    ranking decides."""
+    rows = [dict(row) for row in ranked[:VALIDATE_TOP]]
     free = not (fixed.depth or fixed.topk or fixed.total_tokens)
-    if free and costs.plain_ms and not any(r["shape"]["depth"] == 0 and not r.get("ngram_tokens") for r in rows):
-        rows.append({"shape": asdict(TreeShape(0, 0, 0)), "tau": 1.0, "measured_round_ms": costs.plain_ms,
-                     "measured_tokens_per_s": 1000 / costs.plain_ms})
+    if free and not any(r["shape"]["depth"] == 0 and not r.get("ngram_tokens") for r in rows):
+        rows.append({"shape": asdict(TreeShape(0, 0, 0)), "tau": 1.0})
+    candidates = []
+    for row in rows:
+        chain = int(row.get("ngram_tokens", 0))
+        proposer = replace(ngram, max_tokens=chain) if ngram is not None and chain else None
+        candidates.append((TreeShape(**row["shape"]), proposer))
+    timings = decode_timings(target, drafter, prompts, search.validate_new_tokens, candidates)
+    for row, timing in zip(rows, timings):
+        rounds, seconds = max(timing["rounds"], 1), max(timing["seconds"], 1e-9)
+        row.update(measured_tokens_per_s=timing["tokens"] / seconds, measured_tau=timing["tokens"] / rounds,
+                   measured_round_ms=1000 * seconds / rounds)
     return sorted(rows, key=lambda r: -r["measured_tokens_per_s"])
 
 
@@ -548,14 +574,17 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
     measured = validated(target, drafter, summary, path, ranked, costs, fixed, prompts, search, ngram)
     best = measured[0]
     chosen, chain = TreeShape(**best["shape"]), int(best.get("ngram_tokens", 0))
-    no_draft = 1000 / costs.round_ms(TreeShape(0, 0, 0))
-    log.info("tree=auto chose depth=%d topk=%d total_tokens=%d%s: tau %.2f (replayed), %.1f tok/s timed in the "
-             "loop (model: %.1f; the model's first choice timed %.1f) vs %.1f tok/s without drafting (costs: %s)",
+    plain = next((r for r in measured if r["shape"]["depth"] == 0 and not r.get("ngram_tokens")), None)
+    first = next(r for r in measured if r["shape"] == ranked[0]["shape"]
+                 and r.get("ngram_tokens", 0) == ranked[0].get("ngram_tokens", 0))
+    log.info("tree=auto chose depth=%d topk=%d total_tokens=%d%s: %.1f tok/s timed in the loop (tau %.2f; model: "
+             "%.1f tok/s; the model's first choice timed %.1f)%s (costs: %s)",
              chosen.depth, chosen.topk, chosen.total_tokens,
              f" + n-gram chains of {chain} tokens" if chain else " (no n-gram branches)" if ngram else "",
-             best["tau"], best["measured_tokens_per_s"], best.get("tokens_per_s", no_draft),
-             next(r["measured_tokens_per_s"] for r in measured if r["shape"] == ranked[0]["shape"]
-                  and r.get("ngram_tokens", 0) == ranked[0].get("ngram_tokens", 0)), no_draft, path)
+             best["measured_tokens_per_s"], best.get("measured_tau", best["tau"]),
+             best.get("tokens_per_s", best["measured_tokens_per_s"]), first["measured_tokens_per_s"],
+             f" vs {plain['measured_tokens_per_s']:.1f} tok/s without drafting, timed beside it" if plain else "",
+             path)
     drafter.ngram = replace(ngram, max_tokens=chain) if ngram is not None and chain else None
     if chosen.depth == 0 and chain:
         log.info("tree=auto: n-gram drafting alone (no head run) is fastest here")

@@ -9,8 +9,8 @@ import torch
 from eagle_lab.draft import Candidates, EagleDrafter, TreeShape
 from eagle_lab.head import new_head
 from eagle_lab.ngram import NgramProposer
-from eagle_lab.tree_auto import (CostModel, Recording, ReplayTree, TreeSearchConfig, auto_tree, choose, ngram_lengths,
-                                 replay_all, row_ms, simulate_accept, simulate_hybrid)
+from eagle_lab.tree_auto import (CostModel, Recording, ReplayTree, TreeSearchConfig, auto_tree, choose, decode_timings,
+                                 ngram_lengths, replay_all, row_ms, simulate_accept, simulate_hybrid)
 from tests.conftest import small_vocab_target
 
 # root children a(5) > b(6) > c(7); a's children: d(8) > e(9); b's children: f(10) > g(11)
@@ -74,23 +74,53 @@ def test_auto_tree_calibrates_and_caches(tiny_llama, tmp_path):
 
 
 def test_timing_in_the_loop_overrules_the_model(tiny_llama, monkeypatch):
-    """The model ranks a one-token chain above plain decoding; its rounds timed in the loop decide."""
+    """The model ranks a one-token chain above plain decoding; decoding timed in the loop decides."""
     import eagle_lab.tree_auto as tree_auto
 
     costs = CostModel({1: 10.0, 2: 11.0, 5: 12.0}, {1: 1.0}, 1.0, 0.0, 0.0, plain_ms=10.0)
-    ranked = [{"shape": {"depth": 1, "topk": 1, "total_tokens": 1}, "tau": 1.4, "tokens_per_s": 116.7},
-              {"shape": {"depth": 0, "topk": 0, "total_tokens": 0}, "tau": 1.0, "tokens_per_s": 100.0}]
+    ranked = [{"shape": {"depth": 1, "topk": 1, "total_tokens": 1}, "tau": 1.4, "tokens_per_s": 116.7}]
     drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(4, 4, 12))
     args = (tiny_llama, drafter, ranked, costs, TreeShape(0, 0, 0), [[1, 2, 3]], TreeSearchConfig(), None)
-    monkeypatch.setattr(tree_auto, "timed_rounds", lambda *a: 20.0)  # a round costs two plain ones
+    timed = []
+
+    def fake_timings(tree_seconds):
+        def timings(target, drafter, prompts, new_tokens, candidates):
+            timed.append([shape.depth for shape, _ in candidates])
+            return [{"tokens": 140, "rounds": 100, "seconds": tree_seconds} if shape.depth else
+                    {"tokens": 100, "rounds": 100, "seconds": 1.0} for shape, _ in candidates]
+        return timings
+
+    monkeypatch.setattr(tree_auto, "decode_timings", fake_timings(2.0))  # a round costs two plain ones
     rows = tree_auto.validate(*args)
+    assert timed[-1] == [1, 0]  # plain decoding timed in the same runs
     assert rows[0]["shape"]["depth"] == 0 and rows[1]["measured_tokens_per_s"] == pytest.approx(70.0)
-    monkeypatch.setattr(tree_auto, "timed_rounds", lambda *a: 12.0)  # as cheap as the model said
+    assert rows[1]["measured_tau"] == pytest.approx(1.4) and rows[1]["measured_round_ms"] == pytest.approx(20.0)
+    monkeypatch.setattr(tree_auto, "decode_timings", fake_timings(1.2))  # as cheap as the model said
     assert tree_auto.validate(*args)[0]["shape"]["depth"] == 1
-    monkeypatch.setattr(tree_auto, "timed_rounds", lambda *a: 20.0)
-    fixed = tree_auto.validate(tiny_llama, drafter, ranked[:1], costs, TreeShape(1, 0, 0), [[1, 2, 3]],
+    monkeypatch.setattr(tree_auto, "decode_timings", fake_timings(2.0))
+    fixed = tree_auto.validate(tiny_llama, drafter, ranked, costs, TreeShape(1, 0, 0), [[1, 2, 3]],
                                TreeSearchConfig(), None)
-    assert [r["shape"]["depth"] for r in fixed] == [1]  # a fixed depth never falls back to plain
+    assert [r["shape"]["depth"] for r in fixed] == [1] and timed[-1] == [1]  # a fixed depth never falls back
+
+
+def test_decode_timings_visit_every_prompt_with_every_candidate_in_rotating_order(tiny_llama, monkeypatch):
+    import eagle_lab.tree_auto as tree_auto
+
+    drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(4, 4, 12))
+    order = []
+    decode = tree_auto.speculative_decode
+
+    def spy(target, drafter, prompt, *args):
+        order.append((int(prompt[0]), drafter.shape.depth))
+        return decode(target, drafter, prompt, *args)
+
+    monkeypatch.setattr(tree_auto, "speculative_decode", spy)
+    candidates = [(TreeShape(2, 2, 4), None), (TreeShape(1, 1, 1), None)]
+    timings = decode_timings(tiny_llama, drafter, [list(range(40, 50)), list(range(60, 70))], 6, candidates)
+    assert order == [(40, 2), (40, 1), (60, 1), (60, 2)]  # the second prompt starts with the second candidate
+    assert timings[0]["tokens"] == timings[1]["tokens"] > 0  # the same greedy output, prefills not counted
+    assert all(t["rounds"] >= 1 and t["seconds"] > 0 for t in timings)
+    assert drafter.shape == TreeShape(4, 4, 12)  # restored
 
 
 # ---- hybrid drafting: n-gram chains replayed and priced with the trees -------------------------
