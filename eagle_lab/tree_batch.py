@@ -21,6 +21,14 @@ the best shape (and chain length) at B maximises tau / round_ms(B). A forward's 
 B x K once the device is busy (a CPU always is): trees shrink as B grows, down to plain
 decoding (depth 0, no chain) where none pays. Accept lengths do not depend on B, so the
 replayed tau of every shape is reused as is.
+
+The model then ranks; the loop decides. At batch 2, 4, 8 (and max_batch) the model's best few
+trees and plain decoding run the server's batched round on calibration prompts
+(eagle_lab/serving/timed_batch.py) and the fastest measured is used; a batch size between two
+timed ones takes the choice of the next one up. On a 2-core CPU the model priced a one-token
+draft at batch 8 at 68 tok/s; the round ran at 42 against plain decoding's 63 (per-row
+verification and compaction on the padded cache cost more than batch 1's bookkeeping says).
+Timings are cached in tree=auto's calibration file.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from eagle_lab.embedded import cache_root
 from eagle_lab.ngram import NgramProposer
 from eagle_lab.target import Target
 from eagle_lab.tree import build_tree
-from eagle_lab.tree_auto import CostModel, TreeSearchConfig, _timed, calibration, choose
+from eagle_lab.tree_auto import (VALIDATE_TOP, CostModel, TreeSearchConfig, _timed, calibration, calibration_prompts,
+                                 choose)
 
 log = logging.getLogger(__name__)
 PROBE_BATCHES = (2, 4, 8)
@@ -194,23 +203,65 @@ def probe_drafting(target: Target, drafter: EagleDrafter, context: int, max_batc
     return scales
 
 
-def choose_per_batch(shapes: list[dict], costs: CostModel, probed: dict[int, dict[int, float]], max_batch: int,
-                     fixed: TreeShape, draft_scales: dict[int, float] | None = None
-                     ) -> dict[int, tuple[TreeShape, dict]]:
-    """batch size (2..max_batch) -> (fastest shape, its ranked row with predicted per-row tokens/s;
-    the row's "ngram_tokens" is the chain length chosen when the shapes were replayed with chains).
+def ranked_per_batch(shapes: list[dict], costs: CostModel, probed: dict[int, dict[int, float]], max_batch: int,
+                     fixed: TreeShape, draft_scales: dict[int, float] | None = None) -> dict[int, list[dict]]:
+    """batch size (2..max_batch) -> the replayed rows ranked by predicted per-row tokens/s (a row's
+    "ngram_tokens" is its chain length when the shapes were replayed with chains).
     probed: batch -> {K per row -> ms}; batch 1 comes from costs.target_ms. draft_scales: batch ->
     batched drafting's cost in single-row drafts (None: rows draft one after another)."""
     table = {1: {k: costs.target(k) for k in next(iter(probed.values()))}, **probed}
-    chosen = {}
+    ranked = {}
     for batch in range(2, max_batch + 1):
         model = BatchCostModel(costs.target_ms, costs.level_ms, costs.first_level_ms, costs.overhead_ms,
                                costs.overhead_per_token_ms, costs.plain_ms, costs.ngram_ms, costs.ngram_round_ms,
                                batch=batch, batch_target_ms=batch_forward_costs(table, batch),
                                draft_scale=interpolate(draft_scales, batch) if draft_scales else None)
-        shape, ranked = choose(shapes, model, fixed)
-        chosen[batch] = (shape, ranked[0])
-    return chosen
+        ranked[batch] = choose(shapes, model, fixed)[1]
+    return ranked
+
+
+def choose_per_batch(shapes: list[dict], costs: CostModel, probed: dict[int, dict[int, float]], max_batch: int,
+                     fixed: TreeShape, draft_scales: dict[int, float] | None = None
+                     ) -> dict[int, tuple[TreeShape, dict]]:
+    """batch size (2..max_batch) -> (the model's fastest shape, its ranked row); see ranked_per_batch."""
+    return {batch: (TreeShape(**rows[0]["shape"]), rows[0])
+            for batch, rows in ranked_per_batch(shapes, costs, probed, max_batch, fixed, draft_scales).items()}
+
+
+def batch_tree(row: dict, hybrid: bool) -> BatchTree:
+    return BatchTree(TreeShape(**row["shape"]), int(row.get("ngram_tokens", 0)) if hybrid else None)
+
+
+def validate_per_batch(target: Target, drafter: EagleDrafter, ranked: dict[int, list[dict]], fixed: TreeShape,
+                       hybrid: bool, prompts: list[list[int]], new_tokens: int) -> dict[int, list[dict]]:
+    """At each probed batch size B, the model's best VALIDATE_TOP rows and plain decoding (when
+    the fixed fields allow it) decode B calibration prompts together in the scheduler's round
+    (eagle_lab.serving.timed_batch), one after the other in an order rotated from one B to the
+    next; -> B -> the rows sorted by measured tokens/s (all B rows together)."""
+    from eagle_lab.serving.timed_batch import timed_batch_decoding
+
+    free = not (fixed.depth or fixed.topk or fixed.total_tokens)
+    sizes = sorted({b for b in PROBE_BATCHES if b < max(ranked)} | {max(ranked)})
+    measured = {}
+    for turn, batch in enumerate(sizes):
+        rows = [dict(row) for row in ranked[batch][:VALIDATE_TOP]]
+        if free and not any(r["shape"]["depth"] == 0 and not r.get("ngram_tokens") for r in rows):
+            rows.append({"shape": asdict(TreeShape(0, 0, 0)), "tau": 1.0})
+        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+        for index in [(turn + i) % len(rows) for i in range(len(rows))]:
+            timing = timed_batch_decoding(target, drafter, batch_prompts, batch_tree(rows[index], hybrid), new_tokens)
+            seconds = max(timing["seconds"], 1e-9)
+            rows[index].update(measured_tokens_per_s=timing["tokens"] / seconds,
+                               measured_tau=timing["tokens"] / max(timing["rounds"] * batch, 1))
+        measured[batch] = sorted(rows, key=lambda r: -r["measured_tokens_per_s"])
+    return measured
+
+
+def measured_choice(measured: dict[int, list[dict]], max_batch: int) -> dict[int, dict]:
+    """batch size 2..max_batch -> the row to use: a timed size its fastest row, any other size
+    the choice of the next timed size up (the smaller tree: trees shrink as the batch grows)."""
+    sizes = sorted(measured)
+    return {batch: measured[next(b for b in sizes if b >= batch)][0] for batch in range(2, max_batch + 1)}
 
 
 def trees_per_batch(target: Target, drafter: EagleDrafter, fixed: TreeShape, max_batch: int,
@@ -225,24 +276,43 @@ def trees_per_batch(target: Target, drafter: EagleDrafter, fixed: TreeShape, max
     search = search or TreeSearchConfig()
     chosen_ngram, drafter.ngram = drafter.ngram, ngram  # the calibration tree=auto made (and cached)
     try:
-        summary, costs, _ = calibration(target, drafter, fixed, search=search)
+        summary, costs, path = calibration(target, drafter, fixed, search=search)
         drafter.ngram = None  # drafting is timed without chains, as calibration times it
         scales = probe_drafting(target, drafter, search.context, max_batch)
     finally:
         drafter.ngram = chosen_ngram
     hybrid = chosen_ngram is not None
     shapes = [row for row in summary["shapes"] if hybrid or not row.get("ngram_tokens")]
-    chosen = choose_per_batch(shapes, costs, probe(target, search.context, max_batch), max_batch, fixed, scales)
+    ranked = ranked_per_batch(shapes, costs, probe(target, search.context, max_batch), max_batch, fixed, scales)
+    key = f"d{fixed.depth}-k{fixed.topk}-n{fixed.total_tokens}-b{max_batch}-{'hybrid' if hybrid else 'head'}" \
+          f"-t{torch.get_num_threads()}"
+    done = summary.setdefault("validated_batch", {})
+    if key not in done:
+        log.info("tree per batch size: timing the best trees and plain decoding in batched rounds (once; cached "
+                 "in %s)", path)
+        measured = validate_per_batch(target, drafter, ranked, fixed, hybrid, calibration_prompts(target),
+                                      search.new_tokens)
+        done[key] = {str(b): rows for b, rows in measured.items()}
+        path.write_text(json.dumps(summary, indent=2))
+    measured = {int(b): rows for b, rows in done[key].items()}
+    for batch, rows in measured.items():
+        log.info("tree per batch size: timed at batch %d: %s", batch, ", ".join(
+            f"{describe(r, hybrid)} {r['measured_tokens_per_s']:.1f} tok/s (model {batch * r['tokens_per_s']:.1f})"
+            if "tokens_per_s" in r else f"{describe(r, hybrid)} {r['measured_tokens_per_s']:.1f} tok/s" for r in rows))
     log.info("tree per batch size: 1: depth=%d topk=%d total_tokens=%d%s (tree=auto)", drafter.shape.depth,
              drafter.shape.topk, drafter.shape.total_tokens,
              f" + n-gram chains of {chosen_ngram.max_tokens}" if hybrid else "")
     trees = {}
-    for batch, (shape, row) in chosen.items():
-        chain = int(row.get("ngram_tokens", 0))
-        head = "no head" if shape.depth == 0 else \
-            f"depth={shape.depth} topk={shape.topk} total_tokens={shape.total_tokens}"
-        log.info("tree per batch size: %d: %s, predicted tau %.2f, %.1f tok/s in all", batch,
-                 "plain decoding (no draft)" if shape.depth == 0 and not chain else
-                 head + (f" + n-gram chains of {chain}" if chain else ""), row["tau"], batch * row["tokens_per_s"])
-        trees[batch] = BatchTree(shape, chain if hybrid else None)
+    for batch, row in measured_choice(measured, max_batch).items():
+        log.info("tree per batch size: %d: %s, tau %.2f", batch, describe(row, hybrid),
+                 row.get("measured_tau", row["tau"]))
+        trees[batch] = batch_tree(row, hybrid)
     return trees
+
+
+def describe(row: dict, hybrid: bool) -> str:
+    shape, chain = TreeShape(**row["shape"]), int(row.get("ngram_tokens", 0)) if hybrid else 0
+    if shape.depth == 0 and not chain:
+        return "plain decoding (no draft)"
+    head = "no head" if shape.depth == 0 else f"depth={shape.depth} topk={shape.topk} total_tokens={shape.total_tokens}"
+    return head + (f" + n-gram chains of {chain}" if chain else "")

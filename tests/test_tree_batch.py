@@ -16,8 +16,9 @@ from eagle_lab.serving.drafters import drafter_factory, fork_eagle
 from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.sequence import Sequence
 from eagle_lab.tree_auto import CostModel
+from eagle_lab.serving.timed_batch import timed_batch_decoding
 from eagle_lab.tree_batch import (BatchCostModel, choose_per_batch, expected_widest, interpolate, measure_batched_forward,
-                                  probe_drafting)
+                                  measured_choice, probe_drafting, ranked_per_batch, validate_per_batch)
 from tests.serving_helpers import TINY, serve_config
 from tests.test_server_batching import Client, expected_alone, plan
 
@@ -119,6 +120,49 @@ def test_scheduler_switches_trees_with_the_batch_size(tiny_llama):
     assert {1, 2, 3} <= set(scheduler.batch_sizes)
     depths = [len(c.decoding.sequence.stats.reached_depth) for c in clients]  # deepest tree each one drafted
     assert clients[0].decoding.sequence.stats.rounds > 0 and depths == [0, 1, 3]  # batch 3 / 2 / alone at the end
+
+
+# ---- the model ranks, batched rounds timed in the loop decide --------------------------------
+
+def test_timed_batch_decoding_runs_the_batched_round(tiny_llama):
+    prototype = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(3, 2, 6))
+    prompts = [list(range(40, 52)), list(range(60, 70)), list(range(80, 95))]
+    plain = timed_batch_decoding(tiny_llama, prototype, prompts, BatchTree(TreeShape(0, 0, 0)), new_tokens=8)
+    assert plain["rounds"] == 7 and plain["tokens"] == 3 * 7 and plain["seconds"] > 0  # one token per row a round
+    tree = timed_batch_decoding(tiny_llama, prototype, prompts, BatchTree(TreeShape(2, 2, 4)), new_tokens=8)
+    assert 1 <= tree["rounds"] <= 7 and tree["tokens"] >= 3 * tree["rounds"]
+
+
+def test_measured_choice_uses_the_next_timed_size_up():
+    tree, plain = {"shape": {"depth": 1, "topk": 1, "total_tokens": 1}}, {"shape": {"depth": 0, "topk": 0,
+                                                                               "total_tokens": 0}}
+    choice = measured_choice({2: [tree, plain], 4: [plain, tree], 6: [plain]}, 6)
+    assert choice == {2: tree, 3: plain, 4: plain, 5: plain, 6: plain}
+
+
+def test_validate_per_batch_times_the_best_trees_against_plain(tiny_llama, monkeypatch):
+    import eagle_lab.serving.timed_batch as timed_batch
+
+    prototype = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(3, 2, 6))
+    ranked = ranked_per_batch(SHAPES[1:], gpu_like_costs(), busy_probe(slope=0.0), 5, TreeShape(0, 0, 0))
+    calls = []
+
+    def fake(target, drafter, prompts, tree, new_tokens):  # a tree round costs three plain ones
+        calls.append((len(prompts), tree.shape.depth))
+        rounds = 10
+        return {"tokens": int(rounds * len(prompts) * (1.5 if tree.shape.depth else 1.0)), "rounds": rounds,
+                "seconds": 3.0 if tree.shape.depth else 1.0}
+
+    monkeypatch.setattr(timed_batch, "timed_batch_decoding", fake)
+    measured = validate_per_batch(tiny_llama, prototype, ranked, TreeShape(0, 0, 0), False, [[1, 2, 3]], 8)
+    assert sorted(measured) == [2, 4, 5]  # the probed sizes up to max_batch, and max_batch itself
+    assert {(b, d) for b, d in calls} >= {(2, 0), (4, 0), (5, 0)}  # plain decoding timed at every size
+    assert len(calls) == 3 * 4  # the model's 3 best trees and plain, at each size
+    assert all(rows[0]["shape"]["depth"] == 0 for rows in measured.values())  # measured, plain wins
+    assert all("measured_tokens_per_s" in r and "measured_tau" in r for rows in measured.values() for r in rows)
+    deep = ranked_per_batch(SHAPES, gpu_like_costs(), busy_probe(slope=0.0), 5, TreeShape(3, 0, 0))
+    fixed = validate_per_batch(tiny_llama, prototype, deep, TreeShape(3, 0, 0), False, [[1, 2, 3]], 8)
+    assert all(r["shape"]["depth"] == 3 for rows in fixed.values() for r in rows)  # a fixed depth never goes plain
 
 
 # ---- batched drafting and hybrid drafting at batch > 1 ----------------------------------------

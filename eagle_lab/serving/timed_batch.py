@@ -1,0 +1,51 @@
+"""Time the server's batched round in place: B sequences decoding together, no HTTP, no threads.
+
+eagle_lab.tree_batch prices each tree at batch B from parts measured one by one (a padded
+forward, batched drafting, batch-1 bookkeeping per row). The round the scheduler really runs
+has costs those parts miss (per-row verification and compaction on the padded cache, Python
+per row), so the model's choice at B is checked here: the B sequences run the scheduler's
+steps (eagle_lab.serving.batching) for each candidate tree and the measured tokens/s decide.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from eagle_lab.draft import BatchTree, EagleDrafter
+from eagle_lab.generate import Stopper
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.serving.batch import PaddedBatch
+from eagle_lab.serving.batch_draft import BatchDrafter
+from eagle_lab.serving.drafters import fork_eagle
+from eagle_lab.serving.sequence import Sequence
+from eagle_lab.target import Target
+
+
+@torch.no_grad()
+def timed_batch_decoding(target: Target, prototype: EagleDrafter, prompts: list[list[int]], tree: BatchTree,
+                         new_tokens: int) -> dict:
+    """Greedy decoding of len(prompts) sequences in one batch, every round with `tree`, until the
+    first sequence has `new_tokens` (so the batch size never changes; eos is ignored). Prefills
+    are not timed. -> {"tokens", "rounds", "seconds"} summed over the batch's rounds."""
+    sequences = [Sequence(target, fork_eagle(prototype), torch.tensor(ids, device=target.device), SamplingParams(),
+                          Stopper(target.tokenizer, new_tokens, set()), None) for ids in prompts]
+    for sequence in sequences:
+        sequence.prefill()
+    drafting, batch = BatchDrafter(), PaddedBatch(target)
+    tokens = rounds = 0
+    start = time.perf_counter()
+    try:
+        while not any(s.done for s in sequences):
+            errors = drafting.draft(sequences, tree)
+            failed = next((exc for exc in errors if exc is not None), None)
+            if failed is not None:
+                raise failed
+            for sequence, scored in zip(sequences, batch.score(sequences)):
+                tokens += len(sequence.accept(scored))
+            rounds += 1
+    finally:
+        drafting.release()
+        batch.drop()
+    return {"tokens": tokens, "rounds": rounds, "seconds": time.perf_counter() - start}
