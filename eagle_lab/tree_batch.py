@@ -265,18 +265,19 @@ def measured_choice(measured: dict[int, list[dict]], max_batch: int) -> dict[int
 
 
 def trees_per_batch(target: Target, drafter: EagleDrafter, fixed: TreeShape, max_batch: int,
-                    search: TreeSearchConfig | None = None, ngram: NgramProposer | None = None
-                    ) -> dict[int, BatchTree]:
+                    search: TreeSearchConfig | None = None, ngram: NgramProposer | None = None,
+                    prompts: list[list[int]] | None = None) -> dict[int, BatchTree]:
     """After auto_tree: the tree for each batch size 2..max_batch (batch 1 keeps the drafter's).
     ngram: the proposer tree=auto calibrated with (hybrid drafting; auto_tree may have shortened
     the drafter's, or removed it). While the drafter keeps a proposer, each batch size also gets
-    its chain length (0: none); without one, chains are not searched."""
+    its chain length (0: none); without one, chains are not searched. prompts: what the trees are
+    timed on (default: tree=auto's calibration prompts)."""
     if max_batch < 2:
         return {}
     search = search or TreeSearchConfig()
     chosen_ngram, drafter.ngram = drafter.ngram, ngram  # the calibration tree=auto made (and cached)
     try:
-        summary, costs, path = calibration(target, drafter, fixed, search=search)
+        summary, costs, path = calibration(target, drafter, fixed, prompts, search=search)
         drafter.ngram = None  # drafting is timed without chains, as calibration times it
         scales = probe_drafting(target, drafter, search.context, max_batch)
     finally:
@@ -290,7 +291,7 @@ def trees_per_batch(target: Target, drafter: EagleDrafter, fixed: TreeShape, max
     if key not in done:
         log.info("tree per batch size: timing the best trees and plain decoding in batched rounds (once; cached "
                  "in %s)", path)
-        measured = validate_per_batch(target, drafter, ranked, fixed, hybrid, calibration_prompts(target),
+        measured = validate_per_batch(target, drafter, ranked, fixed, hybrid, prompts or calibration_prompts(target),
                                       search.new_tokens)
         done[key] = {str(b): rows for b, rows in measured.items()}
         path.write_text(json.dumps(summary, indent=2))

@@ -165,6 +165,34 @@ def test_validate_per_batch_times_the_best_trees_against_plain(tiny_llama, monke
     assert all(r["shape"]["depth"] == 3 for rows in fixed.values() for r in rows)  # a fixed depth never goes plain
 
 
+def test_trees_per_batch_times_once_and_reads_the_timings_back(tiny_llama, tmp_path, monkeypatch):
+    import json
+
+    import eagle_lab.serving.timed_batch as timed_batch
+    from eagle_lab.tree_auto import TreeSearchConfig, auto_tree
+    from eagle_lab.tree_batch import trees_per_batch
+
+    monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path))
+    search = TreeSearchConfig(depths=[1, 2], topks=[1, 2], totals=[1, 2, 4], record_shape=(2, 2, 4),
+                              probe_shape=(1, 2, 2), new_tokens=8, context=32, validate_new_tokens=8)
+    drafter = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(3, 2, 6))
+    prompts = [list(range(40, 60)), list(range(70, 85))]
+    auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search)
+    trees = trees_per_batch(tiny_llama, drafter, TreeShape(0, 0, 0), 3, search, prompts=prompts)
+    assert sorted(trees) == [2, 3] and all(isinstance(t, BatchTree) for t in trees.values())
+    calibration = next(p for p in (tmp_path / "tree_auto").glob("*.json") if "-batch-" not in p.name
+                       and "-drafting-" not in p.name)
+    timed = next(iter(json.loads(calibration.read_text())["validated_batch"].values()))
+    assert sorted(timed) == ["2", "3"] and all(r["measured_tokens_per_s"] > 0 for r in timed["3"])
+    assert trees[3] == BatchTree(TreeShape(**timed["3"][0]["shape"]))  # the fastest measured at batch 3
+
+    def not_again(*args):
+        raise AssertionError("timed again instead of read from the calibration file")
+
+    monkeypatch.setattr(timed_batch, "timed_batch_decoding", not_again)
+    assert trees_per_batch(tiny_llama, drafter, TreeShape(0, 0, 0), 3, search, prompts=prompts) == trees
+
+
 # ---- batched drafting and hybrid drafting at batch > 1 ----------------------------------------
 
 HYBRID = [  # replayed with chains: "extra" counts rounds by the chain tokens each added to the tree
