@@ -15,7 +15,7 @@ register_configs()
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from eagle_lab.trainer import run
+    from eagle_lab.training.trainer import run
 
     overrides = HydraConfig.get().overrides.task
     command = "python train.py" + "".join(" " + shlex.quote(o) for o in overrides)

@@ -67,7 +67,7 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
         if not (tree.depth and tree.topk and tree.total_tokens):
             raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")
         return EagleDrafter(head, target, fixed, ngram)
-    from eagle_lab.tree_auto import auto_tree
+    from eagle_lab.tree_search.auto import auto_tree
 
     drafter = EagleDrafter(head, target, TreeShape(4, 4, 12), ngram)
     auto_tree(target, drafter, fixed)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from eagle_lab.data import DataConfig
 from eagle_lab.target import TargetConfig
+from eagle_lab.training.data import DataConfig
 
 
 @dataclass
@@ -31,7 +31,7 @@ class HeadConfig:
 
 @dataclass
 class TreeConfig:
-    """auto: measure this device and head, then pick the fastest shape (eagle_lab.tree_auto);
+    """auto: measure this device and head, then pick the fastest shape (eagle_lab.tree_search.auto);
     a non-zero depth / topk / total_tokens is kept as given (all three needed when auto=false)."""
 
     name: str = ""  # the tree/ config it came from (head cards key MT-bench tau by it)
@@ -60,7 +60,8 @@ class BenchConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     warmup: int = 1
     update_card: bool = False  # mt_bench: write eagle's tau per temperature into the head's card.json
-    concurrency: list[int] = field(default_factory=list)  # e.g. [1,2,4,8]: the batched server sweep (bench_sweep.py)
+    # e.g. [1,2,4,8]: the batched server sweep (eagle_lab/benchmark/sweep.py)
+    concurrency: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -72,7 +73,8 @@ class ServerConfig:
     api_key: str = ""  # "" = no key; else clients send "Authorization: Bearer <key>"
     max_batch: int = 8  # sequences decoded at once (one target forward scores all their trees)
     max_queue: int = 64  # requests waiting for a slot; one more is answered 429
-    tree_per_batch: bool = True  # tree=auto: a tree per batch size, shrinking as the batch grows (tree_batch.py)
+    # tree=auto: a tree per batch size, shrinking as the batch grows (eagle_lab/tree_search/per_batch.py)
+    tree_per_batch: bool = True
 
 
 @dataclass

@@ -42,7 +42,7 @@ class TreeShape:
 
 @dataclass(frozen=True)
 class BatchTree:
-    """The tree for one batch size (eagle_lab/tree_batch.py): the head's shape and, with hybrid
+    """The tree for one batch size (eagle_lab/tree_search/per_batch.py): the head's shape and, with hybrid
     drafting, the n-gram chain length merged into it (0: none; None: the drafter's own)."""
 
     shape: TreeShape
@@ -54,7 +54,7 @@ class Candidates:
     """Every node the last draft considered, before the final top-`total_tokens` cut.
 
     Level by level: the root's top-k children, then each frontier node's top-k children
-    (consecutive, best first). tree_auto replays these to price smaller trees.
+    (consecutive, best first). tree_search/auto.py replays these to price smaller trees.
     """
 
     scores: torch.Tensor  # [M] cumulative draft log-probability

@@ -44,7 +44,7 @@ class Eagle3Head(EagleHead):
 
     @staticmethod
     def default_feature_layers(num_layers: int) -> tuple[int, ...]:
-        from eagle_lab.features import eagle3_layer_ids
+        from eagle_lab.training.features import eagle3_layer_ids
 
         return eagle3_layer_ids(num_layers)
 

@@ -110,7 +110,7 @@ def published_config(arch: HeadArchitecture, target_or_config, dtype: torch.dtyp
         if tcfg.get(key) is not None:
             config[key] = tcfg[key]
     if eagle3:
-        from eagle_lab.features import eagle3_layer_ids
+        from eagle_lab.training.features import eagle3_layer_ids
 
         layers = [int(i) for i in arch.feature_layers]
         if tuple(layers) != tuple(eagle3_layer_ids(int(tcfg.get("num_hidden_layers", 0) or 0))):
@@ -243,7 +243,7 @@ def stored_dtype(directory: str | Path) -> torch.dtype | None:
 
 def _aux_layers(config: dict, num_layers: int) -> list[int]:
     """Fused target layers as hidden_states indices (see the module docstring)."""
-    from eagle_lab.features import eagle3_layer_ids
+    from eagle_lab.training.features import eagle3_layer_ids
 
     top = config.get(AUX_LAYERS_KEY)
     if isinstance(top, list) and top:

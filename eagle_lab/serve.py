@@ -88,7 +88,7 @@ def run(raw: DictConfig) -> None:
     cfg: ServeConfig = to_object(raw, ServeConfig)
     params = validate(cfg)
     if cfg.mode == "bench":
-        from eagle_lab.bench import run_bench
+        from eagle_lab.benchmark.run import run_bench
 
         run_bench(cfg)
         return

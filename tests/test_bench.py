@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from eagle_lab.bench import METHODS, acceptance_by_depth, cut_hf_output, ngram_share, run_bench
-from eagle_lab.bench_data import load_bench_prompts
+from eagle_lab.benchmark.prompt_sets import load_bench_prompts
+from eagle_lab.benchmark.run import METHODS, acceptance_by_depth, cut_hf_output, ngram_share, run_bench
 from eagle_lab.config import BenchConfig, HeadConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats
@@ -151,7 +151,7 @@ def test_missing_prompts_file_is_a_user_error(tmp_path):
 def test_update_card_records_eagle_tau_per_tree_and_temperature(tmp_path):
     from types import SimpleNamespace
 
-    from eagle_lab.bench import update_card
+    from eagle_lab.benchmark.run import update_card
     from eagle_lab.card import HeadCard, read_card, write_card
 
     write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
@@ -203,7 +203,7 @@ def test_bad_tree_presets_are_refused(tmp_path, method, message):
 def test_update_card_keys_each_tree_preset(tmp_path):
     from types import SimpleNamespace
 
-    from eagle_lab.bench import update_card
+    from eagle_lab.benchmark.run import update_card
     from eagle_lab.card import HeadCard, read_card, write_card
 
     write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle_lab.bench import run_bench
+from eagle_lab.benchmark.run import run_bench
 from eagle_lab.config import BenchConfig, HeadConfig, ServeConfig, TreeConfig
 from eagle_lab.errors import EagleLabError
 from eagle_lab.target import TargetConfig

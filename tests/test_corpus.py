@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from eagle_lab.corpus import CorpusStore, Split, capture_split, claim, release, status
-from eagle_lab.data import tokenize_conversation
 from eagle_lab.errors import EagleLabError
-from eagle_lab.features import STORE_DTYPE, compute_features
 from eagle_lab.target import TargetConfig, load_target
+from eagle_lab.training.corpus import CorpusStore, Split, capture_split, claim, release, status
+from eagle_lab.training.data import tokenize_conversation
+from eagle_lab.training.features import STORE_DTYPE, compute_features
 
 LAYERS = (1, 2)
 
@@ -102,7 +102,7 @@ def test_live_lock_is_left_to_its_worker_and_dead_lock_is_taken_over(target, tmp
 
 
 def test_status_reports_what_is_on_disk(target, tmp_path, capsys):
-    from eagle_lab.corpus import main, write_manifest
+    from eagle_lab.training.corpus import main, write_manifest
 
     convs = conversations(9)
     split = make_split(tmp_path, convs)
@@ -120,7 +120,7 @@ def test_status_reports_what_is_on_disk(target, tmp_path, capsys):
 def test_training_sizes_share_one_capture_and_never_see_the_heldout_tail(tmp_path):
     from test_train import smoke_cfg
 
-    from eagle_lab.trainer import Recipe
+    from eagle_lab.training.trainer import Recipe
 
     data = tmp_path / "convs.jsonl"
     convs = conversations(30)
@@ -166,7 +166,7 @@ def test_head_card_round_trip_and_mtbench_tau(tmp_path):
 
 def test_scaling_report_tables_and_plots_runs_by_tokens(tmp_path, capsys):
     from eagle_lab.card import HeadCard, write_card
-    from eagle_lab.scaling_report import main
+    from eagle_lab.training.scaling_report import main
 
     for name, tokens, top1, tau in (("big", 2_000_000, [0.5, 0.4], {"cpu": {"T=0,n=20": 2.1}}),
                                     ("small", 300_000, [0.3, 0.2], {})):

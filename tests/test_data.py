@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from eagle_lab.data import (
+from eagle_lab.errors import EagleLabError
+from eagle_lab.tiny import byte_tokenizer
+from eagle_lab.training.data import (
     DataConfig,
     DataStats,
     build_datasets,
@@ -18,8 +20,6 @@ from eagle_lab.data import (
     normalise_conversation,
     tokenize_conversation,
 )
-from eagle_lab.errors import EagleLabError
-from eagle_lab.tiny import byte_tokenizer
 
 TWO_TURNS = [
     {"role": "user", "content": "Say yes"},
@@ -150,7 +150,7 @@ def test_truncated_sharegpt_file_yields_complete_records(tmp_path):
 
 
 def test_sharegpt_stream_across_chunk_boundaries(tmp_path, monkeypatch):
-    monkeypatch.setattr("eagle_lab.data._CHUNK_CHARS", 7)
+    monkeypatch.setattr("eagle_lab.training.data._CHUNK_CHARS", 7)
     records = [sharegpt_row(("human", "é" * i), ("gpt", "x" * 3 * i)) for i in range(20)]
     path = tmp_path / "small.json"
     path.write_text(json.dumps(records), encoding="utf-8")

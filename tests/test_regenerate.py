@@ -10,8 +10,8 @@ import torch
 
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, generate, vanilla_decode
-from eagle_lab.regenerate import RegenerateConfig, ReplyWriter, chunk_order, regenerate_conversations
 from eagle_lab.sampling import SamplingParams
+from eagle_lab.training.regenerate import RegenerateConfig, ReplyWriter, chunk_order, regenerate_conversations
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
@@ -113,7 +113,7 @@ def test_bad_settings_are_refused(bad):
 
 def test_training_on_regenerated_replies_runs_end_to_end(tmp_path, monkeypatch):
     from eagle_lab.config import TrainConfig, to_object
-    from eagle_lab.trainer import Recipe
+    from eagle_lab.training.trainer import Recipe
     from tests.test_train import composed
 
     monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path / "cache"))

@@ -90,7 +90,7 @@ def losses(metrics: Path) -> dict[int, float]:
 
 
 def test_resume_continues_with_the_same_losses(tmp_path):
-    from eagle_lab.trainer import Recipe
+    from eagle_lab.training.trainer import Recipe
 
     def run(cfg):
         recipe = Recipe(cfg)
@@ -111,7 +111,7 @@ def test_resume_continues_with_the_same_losses(tmp_path):
 
 
 def test_partial_checkpoint_is_never_resumed(tmp_path):
-    from eagle_lab import checkpoint as ckpt
+    from eagle_lab.training import checkpoint as ckpt
 
     ckpt_dir = tmp_path / "ckpt"
     (ckpt_dir / "step_5").mkdir(parents=True)
@@ -168,7 +168,7 @@ def test_sweep_runs_one_job_per_point(tmp_path):
 
 
 def test_eagle3_smoke_trains_end_to_end(tmp_path):
-    from eagle_lab.trainer import Recipe
+    from eagle_lab.training.trainer import Recipe
 
     cfg = smoke_cfg(tmp_path, "head=eagle3", "head.draft_vocab_size=128", "trainer.max_steps=4",
                     "trainer.eval_every=4")
@@ -219,7 +219,7 @@ def test_capture_dtype_is_chosen_as_configured(monkeypatch):
 def test_trains_and_evaluates_against_a_bf16_target(tmp_path):
     """trainer.capture_dtype=bfloat16: capture, training steps and the held-out evaluation all run
     with an fp32 head beside a bf16 target (the evaluation once failed on the dtype mix)."""
-    from eagle_lab.trainer import Recipe
+    from eagle_lab.training.trainer import Recipe
 
     recipe = Recipe(smoke_cfg(tmp_path, "trainer.capture_dtype=bfloat16", "trainer.max_steps=2",
                               "trainer.eval_every=2"))

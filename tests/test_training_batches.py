@@ -9,11 +9,11 @@ import torch
 
 from eagle_lab.config import LossConfig, TrainConfig
 from eagle_lab.errors import EagleLabError
-from eagle_lab.features import Example, greedy_tokens
 from eagle_lab.head import draft_lm_head_weight, new_head
-from eagle_lab.losses import training_loss
 from eagle_lab.target import TargetConfig, load_target
-from eagle_lab.trainer import Recipe, collate, epoch_order
+from eagle_lab.training.features import Example, greedy_tokens
+from eagle_lab.training.losses import training_loss
+from eagle_lab.training.trainer import Recipe, collate, epoch_order
 
 
 def test_grouped_epoch_order_is_a_permutation_of_similar_length_batches():

@@ -9,8 +9,9 @@ import torch
 from eagle_lab.draft import Candidates, EagleDrafter, TreeShape
 from eagle_lab.head import new_head
 from eagle_lab.ngram import NgramProposer
-from eagle_lab.tree_auto import (CostModel, Recording, ReplayTree, TreeSearchConfig, auto_tree, choose, decode_timings,
-                                 ngram_lengths, replay_all, row_ms, simulate_accept, simulate_hybrid)
+from eagle_lab.tree_search.auto import (CostModel, Recording, ReplayTree, TreeSearchConfig, auto_tree, choose,
+                                        decode_timings, ngram_lengths, replay_all, row_ms, simulate_accept,
+                                        simulate_hybrid)
 from tests.conftest import small_vocab_target
 
 # root children a(5) > b(6) > c(7); a's children: d(8) > e(9); b's children: f(10) > g(11)
@@ -75,7 +76,7 @@ def test_auto_tree_calibrates_and_caches(tiny_llama, tmp_path):
 
 def test_timing_in_the_loop_overrules_the_model(tiny_llama, monkeypatch):
     """The model ranks a one-token chain above plain decoding; decoding timed in the loop decides."""
-    import eagle_lab.tree_auto as tree_auto
+    import eagle_lab.tree_search.auto as tree_auto
 
     costs = CostModel({1: 10.0, 2: 11.0, 5: 12.0}, {1: 1.0}, 1.0, 0.0, 0.0, plain_ms=10.0)
     ranked = [{"shape": {"depth": 1, "topk": 1, "total_tokens": 1}, "tau": 1.4, "tokens_per_s": 116.7}]
@@ -104,7 +105,7 @@ def test_timing_in_the_loop_overrules_the_model(tiny_llama, monkeypatch):
 
 
 def test_decode_timings_visit_every_prompt_with_every_candidate_in_rotating_order(tiny_llama, monkeypatch):
-    import eagle_lab.tree_auto as tree_auto
+    import eagle_lab.tree_search.auto as tree_auto
 
     drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(4, 4, 12))
     order = []

@@ -1,4 +1,4 @@
-"""A tree per batch size (eagle_lab/tree_batch.py): priced from batch costs, it shrinks as the
+"""A tree per batch size (eagle_lab/tree_search/per_batch.py): priced from batch costs, it shrinks as the
 batch grows down to plain decoding, and switching trees between rounds keeps outputs exact."""
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory, fork_eagle
 from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.sequence import Sequence
-from eagle_lab.tree_auto import CostModel
 from eagle_lab.serving.timed_batch import timed_batch_decoding
-from eagle_lab.tree_batch import (BatchCostModel, choose_per_batch, expected_widest, interpolate, measure_batched_forward,
-                                  measured_choice, probe_drafting, ranked_per_batch, validate_per_batch)
+from eagle_lab.tree_search.auto import CostModel
+from eagle_lab.tree_search.per_batch import (BatchCostModel, choose_per_batch, expected_widest, interpolate,
+                                             measure_batched_forward, measured_choice, probe_drafting, ranked_per_batch,
+                                             validate_per_batch)
 from tests.serving_helpers import TINY, serve_config
 from tests.test_server_batching import Client, expected_alone, plan
 
-SHAPES = [  # replayed accept lengths, as tree_auto.replay_all reports them
+SHAPES = [  # replayed accept lengths, as tree_search.auto.replay_all reports them
     {"shape": {"depth": 0, "topk": 0, "total_tokens": 0}, "tau": 1.0},
     {"shape": {"depth": 1, "topk": 2, "total_tokens": 2}, "tau": 1.5},
     {"shape": {"depth": 3, "topk": 2, "total_tokens": 6}, "tau": 2.2},
@@ -169,8 +170,8 @@ def test_trees_per_batch_times_once_and_reads_the_timings_back(tiny_llama, tmp_p
     import json
 
     import eagle_lab.serving.timed_batch as timed_batch
-    from eagle_lab.tree_auto import TreeSearchConfig, auto_tree
-    from eagle_lab.tree_batch import trees_per_batch
+    from eagle_lab.tree_search.auto import TreeSearchConfig, auto_tree
+    from eagle_lab.tree_search.per_batch import trees_per_batch
 
     monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path))
     search = TreeSearchConfig(depths=[1, 2], topks=[1, 2], totals=[1, 2, 4], record_shape=(2, 2, 4),

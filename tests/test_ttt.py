@@ -3,7 +3,7 @@
 import torch
 
 from eagle_lab.head import HeadKVCache, new_head
-from eagle_lab.ttt import unrolled_hidden
+from eagle_lab.training.ttt import unrolled_hidden
 
 
 def sequential_chain(head, target, tokens, features, anchor, steps):

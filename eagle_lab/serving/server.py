@@ -61,11 +61,11 @@ def build_app(cfg: ServeConfig):
 
 
 def batch_trees(cfg: ServeConfig, target, prototype) -> dict:
-    """tree=auto with server.tree_per_batch: the tree for each batch size (eagle_lab/tree_batch.py);
+    """tree=auto with server.tree_per_batch: the tree for each batch size (eagle_lab/tree_search/per_batch.py);
     else {} (every sequence drafts the drafter's own tree at any batch size)."""
     from eagle_lab.builders import ngram_proposer
     from eagle_lab.draft import EagleDrafter, TreeShape
-    from eagle_lab.tree_batch import trees_per_batch
+    from eagle_lab.tree_search.per_batch import trees_per_batch
 
     if not (cfg.tree.auto and cfg.server.tree_per_batch and isinstance(prototype, EagleDrafter)):
         return {}

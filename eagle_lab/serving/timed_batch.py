@@ -1,6 +1,6 @@
 """Time the server's batched round in place: B sequences decoding together, no HTTP, no threads.
 
-eagle_lab.tree_batch prices each tree at batch B from parts measured one by one (a padded
+eagle_lab.tree_search.per_batch prices each tree at batch B from parts measured one by one (a padded
 forward, batched drafting, batch-1 bookkeeping per row). The round the scheduler really runs
 has costs those parts miss (per-row verification and compaction on the padded cache, Python
 per row), so the model's choice at B is checked here: the B sequences run the scheduler's

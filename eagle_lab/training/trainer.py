@@ -22,20 +22,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from eagle_lab import checkpoint as ckpt
 from eagle_lab.card import HeadCard, write_card
 from eagle_lab.config import TrainConfig, to_object
-from eagle_lab.corpus import CorpusStore, capture_split, corpus_key, open_corpus
-from eagle_lab.data import build_datasets, load_conversations, tokenize_conversation
 from eagle_lab.device import cpu_has_bf16, training_dtype
 from eagle_lab.embedded import cache_root
 from eagle_lab.errors import EagleLabError
-from eagle_lab.features import (Example, ShardStore, capture, compute_features, eagle3_layer_ids, features_key,
-                                greedy_tokens)
 from eagle_lab.head import draft_lm_head_weight, new_head, save_head
-from eagle_lab.losses import Batch, heldout_accuracy, training_loss
-from eagle_lab.regenerate import ReplyWriter, regenerate_conversations, regenerate_key
 from eagle_lab.target import Target, load_target
+from eagle_lab.training import checkpoint as ckpt
+from eagle_lab.training.corpus import CorpusStore, capture_split, corpus_key, open_corpus
+from eagle_lab.training.data import build_datasets, load_conversations, tokenize_conversation
+from eagle_lab.training.features import (Example, ShardStore, capture, compute_features, eagle3_layer_ids, features_key,
+                                         greedy_tokens)
+from eagle_lab.training.losses import Batch, heldout_accuracy, training_loss
+from eagle_lab.training.regenerate import ReplyWriter, regenerate_conversations, regenerate_key
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class Recipe:
 
     def _corpus_sources(self):
         """Train on the first data.num_conversations of a shared corpus, evaluate on its held-out
-        tail (eagle_lab.corpus); capture whatever of that is not on disk yet."""
+        tail (eagle_lab.training.corpus); capture whatever of that is not on disk yet."""
         cfg, data = self.cfg, self.cfg.data
         conversations, stats = load_conversations(replace(data, num_conversations=0))
         held = data.eval_conversations

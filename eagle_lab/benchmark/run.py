@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import transformers
 
-from eagle_lab.bench_data import Prompt, load_bench_prompts
-from eagle_lab.bench_report import REFERENCE, write_outputs
+from eagle_lab.benchmark.prompt_sets import Prompt, load_bench_prompts
+from eagle_lab.benchmark.report import REFERENCE, write_outputs
 from eagle_lab.builders import (SPECULATIVE, build_decoder, build_drafter, build_head, make_generator,
                                 ngram_proposer, packaged_head_dir)
 from eagle_lab.card import record_mtbench_tau
@@ -45,7 +45,7 @@ from eagle_lab.ngram import NgramDrafter
 from eagle_lab.prompts import as_tensor, encode_prompt
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import Target, load_target
-from eagle_lab.tree_presets import tree_preset
+from eagle_lab.tree_search.presets import tree_preset
 
 log = logging.getLogger(__name__)
 METHODS = ("vanilla", "eagle", "eagle+ngram", "ngram", "hf_greedy", "hf_prompt_lookup")
@@ -80,9 +80,9 @@ class BenchContext:
 
 def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, Any]:
     """Run every method at every temperature; write results.json, results.md, bench.png; print the table.
-    With bench.concurrency set: the batched server's concurrency sweep instead (eagle_lab/bench_sweep.py)."""
+    With bench.concurrency set: the batched server's concurrency sweep instead (eagle_lab/benchmark/sweep.py)."""
     if cfg.bench.concurrency:
-        from eagle_lab.bench_sweep import run_sweep
+        from eagle_lab.benchmark.sweep import run_sweep
 
         return run_sweep(cfg, resolve_run_dir(out_dir))
     validate_bench(cfg)

@@ -1,4 +1,4 @@
-"""`python -m eagle_lab.scaling_report RUN_DIR... [--out DIR]`: the data-scaling table and plot.
+"""`python -m eagle_lab.training.scaling_report RUN_DIR... [--out DIR]`: the data-scaling table and plot.
 
 Reads each run's `head/card.json` (written by train.py, MT-bench tau added by
 `mode=bench bench.update_card=true`) and writes `scaling.md` (a Markdown table, one row per

@@ -126,7 +126,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def write_sweep(results: dict[str, Any], run_dir: Path) -> str:
-    """The concurrency sweep (eagle_lab/bench_sweep.py): sweep.json, sweep.md (also printed), sweep.png."""
+    """The concurrency sweep (eagle_lab/benchmark/sweep.py): sweep.json, sweep.md (also printed), sweep.png."""
     (run_dir / "sweep.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     cfg = results["config"]
     lines = [

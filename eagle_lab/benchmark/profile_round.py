@@ -1,4 +1,5 @@
-"""Where a speculative round's time goes: python -m eagle_lab.profile_round [tokens=48] [depth=4 topk=4 total=12].
+"""Where a speculative round's time goes:
+python -m eagle_lab.benchmark.profile_round [tokens=48] [depth=4 topk=4 total=12].
 
 Times the target forward over the tree, the LM-head rows read by verification, drafting,
 verification bookkeeping and cache compaction, per round, on the embedded default target
@@ -20,7 +21,7 @@ from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.prompts import encode_prompt
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import TargetConfig, load_target
-from eagle_lab.tree_auto import CALIBRATION_PROMPTS
+from eagle_lab.tree_search.auto import CALIBRATION_PROMPTS
 
 
 def _timed(totals: dict, name: str, fn):

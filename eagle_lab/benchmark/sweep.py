@@ -7,7 +7,7 @@ client sending its next prompt when its last one finished. Reported per (method,
   total tokens/s   all new tokens / wall time of the level
   latency p50/p95  per request, from submission to its last token
   batch sizes      rounds scored at each batch size (how full the batch really was)
-  tree             the tree each batch size drafts (tree=auto: from eagle_lab/tree_batch.py)
+  tree             the tree each batch size drafts (tree=auto: from eagle_lab/tree_search/per_batch.py)
   greedy mismatch  at T=0, requests whose tokens differ from the same method at c = 1 and
                    from vanilla at c = 1 (batching is lossless: both must be 0)
 Results go to sweep.json, sweep.md and sweep.png in the run directory.
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from eagle_lab.bench_data import load_bench_prompts
+from eagle_lab.benchmark.prompt_sets import load_bench_prompts
 from eagle_lab.config import ServeConfig
 from eagle_lab.draft import EagleDrafter
 from eagle_lab.errors import EagleLabError
@@ -55,7 +55,7 @@ def validate_sweep(cfg: ServeConfig) -> list[str]:
 
 
 def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
-    from eagle_lab.bench_report import write_sweep
+    from eagle_lab.benchmark.report import write_sweep
 
     methods = validate_sweep(cfg)
     prompts = load_bench_prompts(cfg.bench.dataset, cfg.bench.limit)

@@ -1,6 +1,6 @@
 """A tree per batch size for the server (tree=auto): the tree shrinks as the batch grows.
 
-tree=auto (eagle_lab/tree_auto.py) prices each candidate shape at batch 1 from measured
+tree=auto (eagle_lab/tree_search/auto.py) prices each candidate shape at batch 1 from measured
 costs and the accept length replayed on recorded drafts. At batch B one round scores the B
 trees in one padded forward and drafts the B trees with one head forward per level
 (eagle_lab/serving/batch_draft.py), so per round
@@ -46,8 +46,8 @@ from eagle_lab.embedded import cache_root
 from eagle_lab.ngram import NgramProposer
 from eagle_lab.target import Target
 from eagle_lab.tree import build_tree
-from eagle_lab.tree_auto import (VALIDATE_TOP, CostModel, TreeSearchConfig, _timed, calibration, calibration_prompts,
-                                 choose)
+from eagle_lab.tree_search.auto import (VALIDATE_TOP, CostModel, TreeSearchConfig, _timed, calibration,
+                                        calibration_prompts, choose)
 
 log = logging.getLogger(__name__)
 PROBE_BATCHES = (2, 4, 8)
@@ -151,7 +151,7 @@ def measure_batched_forward(target: Target, context: int, batches=PROBE_BATCHES,
             def score():
                 batched = gather_caches(target, [cache] * batch, context)
                 out = target.forward(ids, batched, positions, attention_mask=mask)
-                target.logits(out.features)  # (B, K, V), as tree_auto charges batch 1
+                target.logits(out.features)  # (B, K, V), as tree_search/auto.py charges batch 1
 
             score()  # warm-up
             costs[batch][k] = _timed(score, reps)

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from eagle_lab.config import LossConfig
-from eagle_lab.features import greedy_tokens
 from eagle_lab.head import draft_lm_head_weight
-from eagle_lab.ttt import unrolled_hidden
+from eagle_lab.training.features import greedy_tokens
+from eagle_lab.training.ttt import unrolled_hidden
 
 
 @dataclass

@@ -20,7 +20,7 @@ import datasets
 
 from eagle_lab.errors import EagleLabError
 from eagle_lab.packages import package_data_file
-from eagle_lab.regenerate import RegenerateConfig
+from eagle_lab.training.regenerate import RegenerateConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +46,11 @@ class DataConfig:
     eval_fraction: float = 0.02  # held-out split (of the chosen subset) when eval_conversations = 0
     # > 0: hold out the LAST N usable conversations of the whole source, whatever num_conversations
     # is, so every data size is evaluated on the same set; features then go to a shared corpus
-    # (eagle_lab.corpus) whose prefixes serve every num_conversations
+    # (eagle_lab.training.corpus) whose prefixes serve every num_conversations
     eval_conversations: int = 0
     shard_conversations: int = 64  # corpus layout: conversations per shard file
     seed: int = 0
-    # Self-distillation: replies rewritten by the target (eagle_lab.regenerate), needs the target
+    # Self-distillation: replies rewritten by the target (eagle_lab.training.regenerate), needs the target
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
 
