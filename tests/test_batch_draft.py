@@ -26,7 +26,7 @@ from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.sequence import Sequence
 from tests.conftest import small_vocab_target
 from tests.serving_helpers import TINY, serve_config
-from tests.test_server_batching import Client, expected_alone, plan
+from tests.scheduler_helpers import Client, expected_alone, plan, run_plans
 
 SHAPES = (TreeShape(3, 2, 6), TreeShape(2, 3, 5), TreeShape(4, 1, 4), TreeShape(3, 2, 6))  # ragged k and depth
 
@@ -186,11 +186,7 @@ def test_scheduler_greedy_at_batch_three_equals_alone(engine, monkeypatch):
     monkeypatch.setattr(HeadBatch, "draft", counting)
     plans = [plan(engine, f"Request {i}: {'z' * (4 * i)} 1 2 1 2", n) for i, n in enumerate((10, 36, 18, 28, 14))]
     scheduler = BatchScheduler(max_batch=3, max_queue=8, target=engine.target)
-    clients = [Client(engine, p, f"r{i}") for i, p in enumerate(plans)]
-    for client in clients:
-        scheduler.submit(client.job)
-    scheduler.start()
-    scheduler.stop(timeout=120)
+    clients = run_plans(scheduler, engine, plans)
     assert [c.tokens for c in clients] == [expected_alone(engine, p) for p in plans]
     assert scheduler.counts["completed"] == 5 and scheduler.batch_sizes.get(3, 0) >= 3
     assert batched_rows.count(3) >= 3 and 2 in batched_rows  # batched at 3, then at 2 as they left

@@ -9,8 +9,6 @@ at batch > 1 is also checked against the target's exact distribution (chi-square
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -24,11 +22,11 @@ from eagle_lab.serving.batch import PaddedBatch, padded_mask
 from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory, fork_eagle
-from eagle_lab.serving.engine import Engine, Finished, Plan
-from eagle_lab.serving.scheduler import Job
+from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.sequence import Sequence
 from eagle_lab.tree import build_tree
 from tests.conftest import OracleDrafter, small_vocab_target
+from tests.scheduler_helpers import Client, expected_alone, plan, run_all
 from tests.serving_helpers import TINY, serve_config
 from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
 
@@ -171,47 +169,10 @@ def test_sampling_at_batch_four_keeps_the_target_distribution(batched_drafting):
 
 # ---------------------------------------------------------------- the batch scheduler
 
-class Client:
-    """One job's events, collected on the scheduler thread."""
-
-    def __init__(self, engine: Engine, plan: Plan, name: str, cancel_after: int = 0):
-        self.events, self.finished, self.decoding = [], threading.Event(), None
-        self.cancel_after = cancel_after
-
-        def start():
-            self.decoding = engine.start(plan, name)
-            return self.decoding
-
-        self.job = Job(start=start, deliver=self.deliver, name=name)
-
-    def deliver(self, event) -> None:
-        self.events.append(event)
-        if self.cancel_after and len(self.events) == self.cancel_after:
-            self.job.cancelled.set()  # what the app does when the client goes away
-        if isinstance(event, Finished) or not hasattr(event, "token_ids"):
-            self.finished.set()
-
-    @property
-    def tokens(self) -> list[int]:
-        return [t for e in self.events if not isinstance(e, Finished) for t in e.token_ids]
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_llama) -> Engine:
     prototype = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(depth=3, topk=2, total_tokens=6))
     return Engine(serve_config(*TINY), tiny_llama, drafter_factory(prototype))
-
-
-def plan(engine: Engine, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0) -> Plan:
-    return Plan(encode_prompt(engine.target.tokenizer, prompt, chat=False), SamplingParams(temperature), max_tokens,
-                [], True, seed)
-
-
-def expected_alone(engine: Engine, p: Plan) -> list[int]:
-    stopper = Stopper(engine.target.tokenizer, p.max_tokens, set())
-    decoder = speculative_decode(engine.target, engine.new_drafter(), as_tensor(p.prompt_ids, engine.target.device),
-                                 p.params, stopper, torch.Generator().manual_seed(p.seed))
-    return generate(decoder).token_ids
 
 
 def test_sequences_join_and_leave_between_rounds(engine):
@@ -236,12 +197,8 @@ def test_sequences_join_and_leave_between_rounds(engine):
 def test_cancelled_sequence_frees_its_slot_and_cache(engine):
     long, other, waiting = plan(engine, "a long one", 400), plan(engine, "the other one", 30), plan(engine, "next", 20)
     scheduler = BatchScheduler(max_batch=2, max_queue=4, target=engine.target)
-    clients = [Client(engine, long, "long", cancel_after=4), Client(engine, other, "other"),
-               Client(engine, waiting, "waiting")]
-    for client in clients:
-        scheduler.submit(client.job)
-    scheduler.start()
-    scheduler.stop(timeout=120)
+    clients = run_all(scheduler, [Client(engine, long, "long", cancel_after=4), Client(engine, other, "other"),
+                                  Client(engine, waiting, "waiting")])
     cancelled = clients[0]
     assert len(cancelled.events) == 4 and not cancelled.finished.is_set()  # no round after the cancel
     assert cancelled.decoding.sequence.cache is None and cancelled.decoding.sequence.stats.stop_reason == "cancelled"

@@ -21,7 +21,7 @@ from eagle_lab.tree_search.per_batch import (BatchCostModel, choose_per_batch, e
                                              measure_batched_forward, measured_choice, probe_drafting, ranked_per_batch,
                                              validate_per_batch)
 from tests.serving_helpers import TINY, serve_config
-from tests.test_server_batching import Client, expected_alone, plan
+from tests.scheduler_helpers import expected_alone, plan, run_plans
 
 SHAPES = [  # replayed accept lengths, as tree_search.auto.replay_all reports them
     {"shape": {"depth": 0, "topk": 0, "total_tokens": 0}, "tau": 1.0},
@@ -112,11 +112,7 @@ def test_scheduler_switches_trees_with_the_batch_size(tiny_llama):
     trees = {2: TreeShape(1, 2, 2), 3: TreeShape(0, 0, 0)}
     scheduler = BatchScheduler(max_batch=3, max_queue=4, target=tiny_llama, trees=trees)
     plans = [plan(engine, f"prompt {i} {'y' * i}", n) for i, n in enumerate((14, 26, 60))]
-    clients = [Client(engine, p, f"r{i}") for i, p in enumerate(plans)]
-    for client in clients:
-        scheduler.submit(client.job)
-    scheduler.start()
-    scheduler.stop(timeout=120)
+    clients = run_plans(scheduler, engine, plans)
     assert [c.tokens for c in clients] == [expected_alone(engine, p) for p in plans]
     assert {1, 2, 3} <= set(scheduler.batch_sizes)
     depths = [len(c.decoding.sequence.stats.reached_depth) for c in clients]  # deepest tree each one drafted
@@ -258,11 +254,7 @@ def test_scheduler_switches_chain_lengths_with_the_batch_size(tiny_llama):
     trees = {2: BatchTree(TreeShape(0, 0, 0), 2), 3: BatchTree(TreeShape(0, 0, 0), 0)}
     scheduler = BatchScheduler(max_batch=3, max_queue=4, target=tiny_llama, trees=trees)
     plans = [plan(engine, f"abcabc {i} abcabc {'y' * i}", n) for i, n in enumerate((14, 26, 60))]
-    clients = [Client(engine, p, f"r{i}") for i, p in enumerate(plans)]
-    for client in clients:
-        scheduler.submit(client.job)
-    scheduler.start()
-    scheduler.stop(timeout=120)
+    clients = run_plans(scheduler, engine, plans)
     assert [c.tokens for c in clients] == [expected_alone(engine, p) for p in plans]
     assert {1, 2, 3} <= set(scheduler.batch_sizes)
     last = clients[2].decoding.sequence
