@@ -110,6 +110,43 @@ def test_resume_continues_with_the_same_losses(tmp_path):
         assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), step
 
 
+def test_sigterm_checkpoints_the_step_and_resume_continues_with_the_same_losses(tmp_path, monkeypatch):
+    """SIGTERM during step 3: the step finishes, step_3 is checkpointed, no evaluation runs, and the
+    resumed run's losses are the uninterrupted run's."""
+    import os
+    import signal
+
+    from eagle_lab.training import checkpoint as ckpt
+    from eagle_lab.training.trainer import Recipe
+
+    reference = Recipe(smoke_cfg(tmp_path / "a"))
+    reference.setup()
+    reference.train()
+    recipe = Recipe(smoke_cfg(tmp_path / "b"))
+    recipe.setup()
+    step = recipe._train_step
+
+    def signalled_step(rows):
+        step(rows)
+        if recipe.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives between two steps, as from a launcher
+
+    monkeypatch.setattr(recipe, "_train_step", signalled_step)
+    monkeypatch.setattr(recipe, "evaluate", lambda: pytest.fail("a signalled stop must not evaluate"))
+    previous = signal.getsignal(signal.SIGTERM)
+    recipe.train()
+    assert recipe.step == 3 and signal.getsignal(signal.SIGTERM) == previous  # handlers restored
+    assert ckpt.latest_checkpoint(recipe.ckpt_dir).name == "step_3"
+    monkeypatch.undo()
+    resumed = Recipe(smoke_cfg(tmp_path / "b", "trainer.resume=true"))
+    resumed.setup()
+    resumed.train()
+    assert resumed.step == 10
+    a, b = losses(tmp_path / "a" / "run" / "metrics.jsonl"), losses(tmp_path / "b" / "run" / "metrics.jsonl")
+    for n in range(4, 11):
+        assert b[n] == pytest.approx(a[n], rel=1e-4, abs=1e-5), n
+
+
 def test_partial_checkpoint_is_never_resumed(tmp_path):
     from eagle_lab.training import checkpoint as ckpt
 

@@ -36,6 +36,7 @@ from eagle_lab.training.features import (Example, ShardStore, capture, compute_f
                                          greedy_tokens)
 from eagle_lab.training.losses import Batch, heldout_accuracy, training_loss
 from eagle_lab.training.regenerate import ReplyWriter, regenerate_conversations, regenerate_key
+from eagle_lab.training.stop import GracefulStop
 
 log = logging.getLogger(__name__)
 
@@ -427,44 +428,58 @@ class Recipe:
         return collate(examples, self.device, self.head.fc.weight.dtype, use_layers=bool(self.layer_ids))
 
     def train(self) -> None:
-        cfg, tcfg = self.cfg, self.cfg.trainer
+        tcfg = self.cfg.trainer
         rows = draft_lm_head_weight(self.head, self.target).detach().to(self.head.fc.weight.dtype)
         started = time.perf_counter()
         stop_at = min(tcfg.max_steps, tcfg.stop_at) if tcfg.stop_at > 0 else tcfg.max_steps
         bar = tqdm(total=tcfg.max_steps, initial=self.step, desc="train", unit="step", disable=self.rank != 0)
         window_tokens, window_start = 0, time.perf_counter()
         evaluated_at = -1
-        while self.step < stop_at:
-            metrics: dict[str, float] = {}
-            for _ in range(tcfg.grad_accum):
-                batch = self._batch(self.train_source.get(self._next_indices(), with_greedy=self.loss_needs_greedy))
-                with self._autocast():
-                    loss, metrics = training_loss(self.engine.module, self.target, rows, batch, cfg.loss,
-                                                  cfg.head.ttt_steps)
-                self.engine.backward(loss)
-                self.engine.step()
-                window_tokens += int(batch.valid.sum())
-            self.step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc=f"{metrics.get('acc_1', 0):.3f}")
-            if self.step % tcfg.log_every == 0 or self.step == stop_at:
-                elapsed = time.perf_counter() - window_start
-                self._log({"step": self.step, "loss": float(loss.detach()), "lr": self.engine.get_lr()[0],
-                           "tokens_per_s": window_tokens * self.world / max(elapsed, 1e-9), **metrics})
-                window_tokens, window_start = 0, time.perf_counter()
-            out_of_time = tcfg.time_limit_min > 0 and time.perf_counter() - started > 60 * tcfg.time_limit_min
-            if self.step % tcfg.save_every == 0 or self.step == stop_at or out_of_time:
-                self.save_checkpoint()  # before evaluating: a long evaluation never costs trained steps
-            if self.step % tcfg.eval_every == 0 or self.step == tcfg.max_steps:
-                self._log({"step": self.step, **self.evaluate()})
-                evaluated_at = self.step
-            if out_of_time:
-                log.info("time limit of %.1f min reached at step %d: checkpointed; resume with "
-                         "trainer.resume=true", tcfg.time_limit_min, self.step)
-                break
+        with GracefulStop(self.world, self.device) as stop:
+            while self.step < stop_at:
+                self._train_step(rows)
+                window_tokens += self._last_tokens
+                bar.update(1)
+                bar.set_postfix(loss=f"{self._last_loss:.3f}", acc=f"{self._last_metrics.get('acc_1', 0):.3f}")
+                if self.step % tcfg.log_every == 0 or self.step == stop_at:
+                    elapsed = time.perf_counter() - window_start
+                    self._log({"step": self.step, "loss": self._last_loss, "lr": self.engine.get_lr()[0],
+                               "tokens_per_s": window_tokens * self.world / max(elapsed, 1e-9), **self._last_metrics})
+                    window_tokens, window_start = 0, time.perf_counter()
+                out_of_time = tcfg.time_limit_min > 0 and time.perf_counter() - started > 60 * tcfg.time_limit_min
+                signalled = stop.requested()
+                if self.step % tcfg.save_every == 0 or self.step == stop_at or out_of_time or signalled:
+                    self.save_checkpoint()  # before evaluating: a long evaluation never costs trained steps
+                if signalled:
+                    log.info("stopped by %s at step %d: checkpointed; resume with trainer.resume=true (the "
+                             "held-out evaluation is skipped)", stop.received or "a signal to another rank", self.step)
+                    bar.close()
+                    return
+                if self.step % tcfg.eval_every == 0 or self.step == tcfg.max_steps:
+                    self._log({"step": self.step, **self.evaluate()})
+                    evaluated_at = self.step
+                if out_of_time:
+                    log.info("time limit of %.1f min reached at step %d: checkpointed; resume with "
+                             "trainer.resume=true", tcfg.time_limit_min, self.step)
+                    break
         bar.close()
         if self.step > 0 and evaluated_at != self.step:  # stopped early: still report where it got
             self._log({"step": self.step, **self.evaluate()})
+
+    def _train_step(self, rows: torch.Tensor) -> None:
+        """One optimizer step (grad_accum micro-batches); sets _last_loss, _last_metrics, _last_tokens."""
+        cfg, tokens = self.cfg, 0
+        metrics: dict[str, float] = {}
+        for _ in range(cfg.trainer.grad_accum):
+            batch = self._batch(self.train_source.get(self._next_indices(), with_greedy=self.loss_needs_greedy))
+            with self._autocast():
+                loss, metrics = training_loss(self.engine.module, self.target, rows, batch, cfg.loss,
+                                              cfg.head.ttt_steps)
+            self.engine.backward(loss)
+            self.engine.step()
+            tokens += int(batch.valid.sum())
+        self.step += 1
+        self._last_loss, self._last_metrics, self._last_tokens = float(loss.detach()), metrics, tokens
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
