@@ -60,6 +60,9 @@ class BenchConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     warmup: int = 1
     update_card: bool = False  # mt_bench: write eagle's tau per temperature into the head's card.json
+    # each prompt run by every method in turn (order rotated per prompt), so a drift in the machine's
+    # speed over the run falls on all methods alike; false: each method runs all prompts in one block
+    interleave: bool = True
     # e.g. [1,2,4,8]: the batched server sweep (eagle_lab/benchmark/sweep.py)
     concurrency: list[int] = field(default_factory=list)
 

@@ -214,3 +214,38 @@ def test_update_card_keys_each_tree_preset(tmp_path):
     summary = {"0.0": {"eagle": {"tau": 1.9}, "eagle@auto": {"tau": 1.0}, "vanilla": {"tau": 1.0}}}
     update_card(cfg, SimpleNamespace(name="tiny_llama"), summary, 80)
     assert read_card(tmp_path).mtbench_tau == {"cpu": {"T=0": 1.9}, "auto": {"T=0": 1.0}}  # all 80 prompts
+
+
+def test_interleaved_runs_rotate_the_methods_and_change_no_output(tmp_path, monkeypatch):
+    """bench.interleave: prompt i is run by every method, starting with method i mod M; the tokens
+    (greedy and seeded sampling) are those of whole-method blocks."""
+    import eagle_lab.benchmark.run as bench
+
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n", encoding="utf-8")
+
+    def config(interleave: bool) -> ServeConfig:
+        return ServeConfig(target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
+                           head=HeadConfig(path="random"), tree=TreeConfig(auto=False, depth=2, topk=2, total_tokens=3),
+                           bench=BenchConfig(dataset=str(prompts_file), limit=0, methods=["vanilla", "eagle", "ngram"],
+                                             temperatures=[0.0, 1.0], warmup=0, interleave=interleave),
+                           ngram=NgramConfig(min_match=1, max_match=3, max_tokens=4), mode="bench",
+                           max_new_tokens=6, ignore_eos=True)
+
+    order = []
+    run_method = bench.run_method
+
+    def spy(ctx, method, prompt_ids, params):
+        order.append(method)
+        return run_method(ctx, method, prompt_ids, params)
+
+    monkeypatch.setattr(bench, "run_method", spy)
+    interleaved = run_bench(config(True), out_dir=tmp_path / "a")
+    assert order[:9] == ["vanilla", "eagle", "ngram", "eagle", "ngram", "vanilla", "ngram", "vanilla", "eagle"]
+    blocks = run_bench(config(False), out_dir=tmp_path / "b")
+    assert order[18:21] == ["vanilla"] * 3  # whole-method blocks
+
+    def tokens(results):
+        return [(r["temperature"], r["method"], r["prompt_index"], r["token_ids"]) for r in results["records"]]
+
+    assert sorted(tokens(interleaved)) == sorted(tokens(blocks))

@@ -100,7 +100,7 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
     warmed: set[str] = set()
     for temperature in cfg.bench.temperatures:
         params = SamplingParams(temperature, cfg.top_k, cfg.top_p)
-        runs: dict[str, list[Run]] = {}
+        active = []
         for method in cfg.bench.methods:
             if method in GREEDY_ONLY and not params.greedy:
                 log.info("T=%g %s: skipped (greedy only)", temperature, method)
@@ -108,7 +108,11 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
             if method not in warmed:
                 warm_up(ctx, method, encoded[: cfg.bench.warmup], params)
                 warmed.add(method)
-            runs[method] = run_prompts(ctx, method, encoded, params, temperature)
+            active.append(method)
+        if cfg.bench.interleave:
+            runs = run_interleaved(ctx, active, encoded, params, temperature)
+        else:
+            runs = {method: run_prompts(ctx, method, encoded, params, temperature) for method in active}
         summary[temperature_key(temperature)] = summarise(cfg.bench.methods, runs, params.greedy)
         records.extend(prompt_records(runs, temperature, target.tokenizer, params.greedy))
 
@@ -244,6 +248,20 @@ def run_prompts(ctx: BenchContext, method: str, encoded: list[list[int]], params
     for index, ids in enumerate(encoded):
         log.info("T=%g %s: prompt %d/%d", temperature, method, index + 1, len(encoded))
         runs.append(run_method(ctx, method, ids, params))
+    return runs
+
+
+def run_interleaved(ctx: BenchContext, methods: list[str], encoded: list[list[int]], params: SamplingParams,
+                    temperature: float) -> dict[str, list[Run]]:
+    """Every prompt run by every method in turn, the order rotated from one prompt to the next: a
+    machine whose speed drifts over minutes (a shared VM, other jobs, clocks) then slows every
+    method alike, where whole-method blocks would charge the drift to whichever ran during it.
+    Outputs do not depend on the order (each run seeds its own generator)."""
+    runs: dict[str, list[Run | None]] = {method: [None] * len(encoded) for method in methods}
+    for index, ids in enumerate(encoded if methods else []):
+        for method in methods[index % len(methods):] + methods[: index % len(methods)]:
+            log.info("T=%g %s: prompt %d/%d", temperature, method, index + 1, len(encoded))
+            runs[method][index] = run_method(ctx, method, ids, params)
     return runs
 
 

@@ -65,20 +65,27 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
     if levels[-1] > len(encoded):
         log.warning("bench.concurrency %d > %d prompts: the batch can never fill (raise bench.limit)", levels[-1],
                     len(encoded))
-    rows, trees = [], {}
-    for method in methods:
-        engine, batch_trees = _engine(cfg, method, target, max(levels))
-        trees[method] = batch_trees
-        for temperature in cfg.bench.temperatures:
-            params = SamplingParams(temperature, cfg.top_k, cfg.top_p)
-            if cfg.bench.warmup:
+    engines = {method: _engine(cfg, method, target, max(levels)) for method in methods}
+    trees = {method: batch_trees for method, (_, batch_trees) in engines.items()}
+    rows = []
+    for temperature in cfg.bench.temperatures:
+        params = SamplingParams(temperature, cfg.top_k, cfg.top_p)
+        if cfg.bench.warmup:
+            for engine, batch_trees in engines.values():
                 run_level(engine, target, batch_trees, encoded[: cfg.bench.warmup], params, cfg, 1)  # untimed
-            for level in levels:
+        for turn, level in enumerate(levels):
+            # the methods take turns at each level (first one rotating), so a drift in the machine's
+            # speed over the sweep falls on every method alike (bench.interleave)
+            order = methods[turn % len(methods):] + methods[: turn % len(methods)] if cfg.bench.interleave \
+                else methods
+            for method in order:
+                engine, batch_trees = engines[method]
                 log.info("sweep: %s at T=%g, %d concurrent clients, %d prompts", method, temperature, level,
                          len(encoded))
                 result = run_level(engine, target, batch_trees, encoded, params, cfg, level)
                 rows.append({"method": method, "temperature": float(temperature), "concurrency": level,
                              **result, "tree": tree_label(batch_trees, level)})
+    rows.sort(key=lambda r: (r["temperature"], methods.index(r["method"]), r["concurrency"]))
     mark_mismatches(rows)
     results = {"config": {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
                           "dataset": cfg.bench.dataset, "prompts": len(encoded), "max_new_tokens": cfg.max_new_tokens,
