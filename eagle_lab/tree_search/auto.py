@@ -520,6 +520,16 @@ def decode_timings(target: Target, drafter: EagleDrafter, prompts: list[list[int
     return totals
 
 
+def with_plain(rows: list[dict], fixed: TreeShape) -> list[dict]:
+    """Copies of `rows`, plus plain decoding (no draft, no chain) when the fixed fields allow it
+    and it is not among them: the candidates timed against each other in the loop."""
+    rows = [dict(row) for row in rows]
+    free = not (fixed.depth or fixed.topk or fixed.total_tokens)
+    if free and not any(r["shape"]["depth"] == 0 and not r.get("ngram_tokens") for r in rows):
+        rows.append({"shape": asdict(TreeShape(0, 0, 0)), "tau": 1.0})
+    return rows
+
+
 def validate(target: Target, drafter: EagleDrafter, ranked: list[dict], costs: CostModel, fixed: TreeShape,
              prompts: list[list[int]], search: TreeSearchConfig, ngram: NgramProposer | None) -> list[dict]:
     """The model's best VALIDATE_TOP rows, timed in the decoding loop and re-ranked by measured
@@ -528,10 +538,7 @@ def validate(target: Target, drafter: EagleDrafter, ranked: list[dict], costs: C
     round on its own; on a CPU a small tree's round can cost more than its parts add up to, so
     the model may rank a tree above plain decoding that is slower in the loop; the measured
     ranking decides."""
-    rows = [dict(row) for row in ranked[:VALIDATE_TOP]]
-    free = not (fixed.depth or fixed.topk or fixed.total_tokens)
-    if free and not any(r["shape"]["depth"] == 0 and not r.get("ngram_tokens") for r in rows):
-        rows.append({"shape": asdict(TreeShape(0, 0, 0)), "tau": 1.0})
+    rows = with_plain(ranked[:VALIDATE_TOP], fixed)
     candidates = []
     for row in rows:
         chain = int(row.get("ngram_tokens", 0))

@@ -47,7 +47,7 @@ from eagle_lab.ngram import NgramProposer
 from eagle_lab.target import Target
 from eagle_lab.tree import build_tree
 from eagle_lab.tree_search.auto import (VALIDATE_TOP, CostModel, TreeSearchConfig, _timed, calibration,
-                                        calibration_prompts, choose)
+                                        calibration_prompts, choose, with_plain)
 
 log = logging.getLogger(__name__)
 PROBE_BATCHES = (2, 4, 8)
@@ -240,13 +240,10 @@ def validate_per_batch(target: Target, drafter: EagleDrafter, ranked: dict[int, 
     next; -> B -> the rows sorted by measured tokens/s (all B rows together)."""
     from eagle_lab.serving.timed_batch import timed_batch_decoding
 
-    free = not (fixed.depth or fixed.topk or fixed.total_tokens)
     sizes = sorted({b for b in PROBE_BATCHES if b < max(ranked)} | {max(ranked)})
     measured = {}
     for turn, batch in enumerate(sizes):
-        rows = [dict(row) for row in ranked[batch][:VALIDATE_TOP]]
-        if free and not any(r["shape"]["depth"] == 0 and not r.get("ngram_tokens") for r in rows):
-            rows.append({"shape": asdict(TreeShape(0, 0, 0)), "tau": 1.0})
+        rows = with_plain(ranked[batch][:VALIDATE_TOP], fixed)
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
         for index in [(turn + i) % len(rows) for i in range(len(rows))]:
             timing = timed_batch_decoding(target, drafter, batch_prompts, batch_tree(rows[index], hybrid), new_tokens)
