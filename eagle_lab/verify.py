@@ -46,7 +46,7 @@ factor sum(r) (tests/test_sampling_lossless.py shows the chi-square test rejecti
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -55,6 +55,11 @@ from eagle_lab.tree import DraftTree
 
 
 NodeLogits = Callable[[int], torch.Tensor]  # node index -> [V] target logits at that node
+# A verification walk as a generator: it yields the node whose target logits it needs next, is
+# sent those logits [V], and returns (accepted node indices [L + 1], bonus token id). The walk
+# asks for one node at a time, so several sequences' walks can share one LM-head call per step
+# (verify_rows) while each keeps its own rule and its own random stream.
+VerifySteps = Generator[int, torch.Tensor, tuple[torch.Tensor, int]]
 
 
 def verify(
@@ -65,17 +70,78 @@ def verify(
     node_logits is asked only for nodes on the accepted path: the LM head over a large
     vocabulary is a big part of a CPU round, so rows nobody reads are never computed.
     """
+    return run_steps(verify_steps(tree, params, generator), node_logits)
+
+
+def verify_steps(tree: DraftTree, params: SamplingParams, generator: torch.Generator | None = None) -> VerifySteps:
+    """verify() as a walk that is sent each node's logits (see VerifySteps)."""
     if params.greedy:
-        return verify_greedy(tree, node_logits)
-    return verify_sampling(tree, lambda node: target_probs(node_logits(node), params), generator)
+        return _greedy_steps(tree)
+    return _sampling_steps(tree, generator, lambda logits: target_probs(logits, params))
+
+
+def run_steps(steps: Generator[int, torch.Tensor, tuple[torch.Tensor, int]],
+              node_values: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Drive one walk, answering each node it asks for with node_values(node)."""
+    try:
+        node = next(steps)
+        while True:
+            node = steps.send(node_values(node))
+    except StopIteration as done:
+        return done.value
+
+
+def verify_rows(walks: list[tuple[VerifySteps, torch.Tensor]],
+                logits: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[torch.Tensor, int] | Exception]:
+    """Several sequences' walks in lockstep: at each step the node every unfinished walk asks for
+    is read from its own features (N_i, H), and one logits((R, H)) -> (R, V) call answers them
+    all, so the LM head's weights are read once per step rather than once per sequence (at
+    batch 8 on a CPU, eight reads of a 49k x 576 head cost more than the batched forward's
+    share of a plain round). Each walk keeps its own rule and generator, so its result is the
+    one verify() gives, up to the float rounding of a batched matmul. A walk that raises gets
+    its exception as its result; the others go on."""
+    results: list[tuple[torch.Tensor, int] | Exception | None] = [None] * len(walks)
+    asked: dict[int, int] = {}  # walk index -> the node it asks for
+    for index, (steps, _) in enumerate(walks):
+        _advance(steps, None, index, asked, results)
+    while asked:
+        order = list(asked)
+        rows = torch.stack([walks[i][1][asked[i]] for i in order])  # (R, H)
+        answers = logits(rows)  # (R, V)
+        for row, index in enumerate(order):
+            _advance(walks[index][0], answers[row], index, asked, results)
+    return results  # type: ignore[return-value]
+
+
+def _advance(steps: VerifySteps, value: torch.Tensor | None, index: int, asked: dict[int, int],
+             results: list) -> None:
+    """One step of walk `index`: record the next node it asks for, or its result (or exception)."""
+    asked.pop(index, None)
+    try:
+        asked[index] = next(steps) if value is None else steps.send(value)
+    except StopIteration as done:
+        results[index] = done.value
+    except Exception as exc:  # noqa: BLE001 - one sequence's failure is its own
+        results[index] = exc
 
 
 def verify_greedy(tree: DraftTree, node_logits: NodeLogits) -> tuple[torch.Tensor, int]:
+    return run_steps(_greedy_steps(tree), node_logits)
+
+
+def verify_sampling(
+    tree: DraftTree, node_probs: Callable[[int], torch.Tensor], generator: torch.Generator | None
+) -> tuple[torch.Tensor, int]:
+    """node_probs: node index -> [V] target probabilities p at that node."""
+    return run_steps(_sampling_steps(tree, generator, lambda probs: probs), node_probs)
+
+
+def _greedy_steps(tree: DraftTree) -> VerifySteps:
     children = _children(tree)
     tokens = tree.tokens.tolist()
     path, node = [0], 0
     while True:
-        best = int(node_logits(node).argmax())  # the target's choice after this node
+        best = int((yield node).argmax())  # the target's choice after this node
         match = [c for c in children[node] if tokens[c] == best]  # sibling tokens are distinct
         if not match:
             return torch.tensor(path, device=tree.tokens.device), best
@@ -83,16 +149,15 @@ def verify_greedy(tree: DraftTree, node_logits: NodeLogits) -> tuple[torch.Tenso
         path.append(node)
 
 
-def verify_sampling(
-    tree: DraftTree, node_probs: Callable[[int], torch.Tensor], generator: torch.Generator | None
-) -> tuple[torch.Tensor, int]:
-    """node_probs: node index -> [V] target probabilities p at that node."""
+def _sampling_steps(tree: DraftTree, generator: torch.Generator | None,
+                    to_probs: Callable[[torch.Tensor], torch.Tensor]) -> VerifySteps:
+    """Sent each node's logits (or probabilities, with to_probs the identity); to_probs -> p [V]."""
     children = _children(tree)
     tokens = tree.tokens.tolist()
     path = [0]
     node = 0
     while True:
-        p = node_probs(node)
+        p = to_probs((yield node))
         residual = p.clone()  # [V]
         accepted_child = None
         for child in children[node]:

@@ -13,8 +13,9 @@ leave between rounds, Scheduler._admit):
   4. one forward scores all trees (eagle_lab.serving.batch; the padded cache is kept while
      the same sequences share the forward), or at batch 1 the sequence's own forward, exactly
      as generate.py runs it;
-  5. each job verifies its rows with its own generator, compacts its cache, and sends its
-     tokens; finished jobs leave.
+  5. each job verifies its tree with its own rule and generator, the jobs' walks in lockstep so
+     that one LM-head call per step serves them all (eagle_lab.verify.verify_rows; batch 1
+     walks alone, as generate.py), compacts its cache, and sends its tokens; finished jobs leave.
 A failure in one job's own steps fails that job alone; a failing batched forward (or batched
 draft) fails the jobs in it (500) and the others go on.
 """
@@ -28,6 +29,7 @@ from eagle_lab.serving.batch import PaddedBatch
 from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.scheduler import Job, Scheduler
 from eagle_lab.target import Target
+from eagle_lab.verify import verify_rows
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +79,17 @@ class BatchScheduler(Scheduler):
                 self._fail(job, exc)
             return
         self.batch_sizes[len(drafted)] = self.batch_sizes.get(len(drafted), 0) + 1
-        for job, row in zip(drafted, scored):
-            self._step(job, lambda job=job, row=row: self._send(job, job.stream.accept(row)))
+        if len(drafted) == 1:
+            verdicts: list = [None]  # batch 1: accept() walks its tree itself, exactly as generate.py
+        else:  # every row's verification in lockstep: one LM-head call per step for all rows
+            verdicts = verify_rows([(job.stream.sequence.verification(), row.features)
+                                    for job, row in zip(drafted, scored)], self.target.logits)
+        for job, row, verdict in zip(drafted, scored, verdicts):
+            if isinstance(verdict, Exception):
+                self._fail(job, verdict)
+            else:
+                self._step(job, lambda job=job, row=row, verdict=verdict:
+                           self._send(job, job.stream.accept(row, verdict)))
 
     def _prefill(self, job: Job) -> None:
         job.stream = job.start()

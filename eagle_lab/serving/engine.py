@@ -189,8 +189,9 @@ class Decoding:
     def prefill(self) -> list[Delta | Finished]:
         return self._events(self.sequence.prefill())
 
-    def accept(self, scored: Scored) -> list[Delta | Finished]:
-        return self._events(self.sequence.accept(scored))
+    def accept(self, scored: Scored, verdict=None) -> list[Delta | Finished]:
+        """verdict: this round's verification result, when the batched round walked it (Sequence.accept)."""
+        return self._events(self.sequence.accept(scored, verdict))
 
     def close(self) -> None:
         """Cancelled or failed: free the caches now."""

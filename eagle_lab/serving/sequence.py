@@ -9,7 +9,9 @@ at the target forward so that one forward can score the trees of many sequences:
                  set_tree() so that eagle_lab.serving.batch_draft can draft many sequences at once
   -- the scheduler scores the tree: score_alone() (batch 1: exactly generate.py's call) or
      eagle_lab.serving.batch.PaddedBatch.score() (one padded forward for all sequences) --
-  accept(scored) verify with this sequence's own generator, compact its cache, emit tokens
+  accept(scored) verify with this sequence's own generator, compact its cache, emit tokens (at
+                 batch > 1 the rows' verification walks run in lockstep first, one LM-head call
+                 per step for all rows: verification() and eagle_lab.verify.verify_rows)
 
 Everything a round reads is this sequence's own (cache, drafter, torch.Generator, stopper),
 so its output does not depend on which other sequences share the forward; only the float
@@ -32,7 +34,7 @@ from eagle_lab.generate import GenerationStats, Stopper, _check_prompt, _head_fe
 from eagle_lab.sampling import SamplingParams, next_token
 from eagle_lab.target import Target
 from eagle_lab.tree import DraftTree, root_only_tree
-from eagle_lab.verify import verify
+from eagle_lab.verify import VerifySteps, run_steps, verify_steps
 
 
 @dataclass
@@ -136,11 +138,20 @@ class Sequence:
             out = score_tree(self.target, tree, self.cache, past, self.layer_ids)
         return Scored(out.features[0], _head_features(out)[0], lambda accepted: keep_accepted(self.cache, past, accepted))
 
+    def verification(self) -> VerifySteps:
+        """This round's verification walk, with this sequence's own rule and generator; the batched
+        round drives every row's walk in lockstep (eagle_lab.verify.verify_rows) and hands the
+        result to accept()."""
+        return verify_steps(self.tree, self.params, self.generator)
+
     @torch.no_grad()
-    def accept(self, scored: Scored) -> list[int]:
+    def accept(self, scored: Scored, verdict: tuple[torch.Tensor, int] | None = None) -> list[int]:
+        """verdict: (accepted nodes (L + 1,), bonus) from this round's verification() walk; None
+        walks it here, one LM-head call per node, as generate.py does at batch 1."""
         tree, features = self.tree, scored.features  # features: (N, H)
-        accepted, bonus = verify(tree, lambda node: self.target.logits(features[node]), self.params,
-                                 self.generator)  # (L + 1,)
+        if verdict is None:
+            verdict = run_steps(self.verification(), lambda node: self.target.logits(features[node]))
+        accepted, bonus = verdict  # (L + 1,), int
         scored.keep(accepted)
         if self.drafter is not None:
             self.unseen = torch.cat([self.unseen, scored.head_features[accepted]])  # (P + L + 1, F)

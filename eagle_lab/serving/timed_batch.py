@@ -21,6 +21,7 @@ from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.drafters import fork_eagle
 from eagle_lab.serving.sequence import Sequence
 from eagle_lab.target import Target
+from eagle_lab.verify import verify_rows
 
 
 @torch.no_grad()
@@ -42,8 +43,13 @@ def timed_batch_decoding(target: Target, prototype: EagleDrafter, prompts: list[
             failed = next((exc for exc in errors if exc is not None), None)
             if failed is not None:
                 raise failed
-            for sequence, scored in zip(sequences, batch.score(sequences)):
-                tokens += len(sequence.accept(scored))
+            scored = batch.score(sequences)
+            verdicts = verify_rows([(s.verification(), row.features) for s, row in zip(sequences, scored)],
+                                   target.logits)
+            for sequence, row, verdict in zip(sequences, scored, verdicts):
+                if isinstance(verdict, Exception):
+                    raise verdict
+                tokens += len(sequence.accept(row, verdict))
             rounds += 1
     finally:
         drafting.release()
