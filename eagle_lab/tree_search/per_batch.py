@@ -52,6 +52,9 @@ from eagle_lab.tree_search.auto import (VALIDATE_TOP, CostModel, TreeSearchConfi
 log = logging.getLogger(__name__)
 PROBE_BATCHES = (2, 4, 8)
 PROBE_TOKENS = (1, 4, 8, 16, 32)  # K per row; beyond, costs are extrapolated linearly
+# The batched round's implementation, in the key of its cached timings: a change that moves its
+# cost (2: the rows' verification in lockstep) makes the timings be taken again, not reused.
+ROUND_VERSION = 2
 
 
 def interpolate(table: dict[int, float], x: float) -> float:
@@ -283,7 +286,7 @@ def trees_per_batch(target: Target, drafter: EagleDrafter, fixed: TreeShape, max
     shapes = [row for row in summary["shapes"] if hybrid or not row.get("ngram_tokens")]
     ranked = ranked_per_batch(shapes, costs, probe(target, search.context, max_batch), max_batch, fixed, scales)
     key = f"d{fixed.depth}-k{fixed.topk}-n{fixed.total_tokens}-b{max_batch}-{'hybrid' if hybrid else 'head'}" \
-          f"-t{torch.get_num_threads()}"
+          f"-t{torch.get_num_threads()}-r{ROUND_VERSION}"
     done = summary.setdefault("validated_batch", {})
     if key not in done:
         log.info("tree per batch size: timing the best trees and plain decoding in batched rounds (once; cached "
