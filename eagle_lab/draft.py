@@ -54,7 +54,7 @@ class Candidates:
     """Every node the last draft considered, before the final top-`total_tokens` cut.
 
     Level by level: the root's top-k children, then each frontier node's top-k children
-    (consecutive, best first). tree_search/auto.py replays these to price smaller trees.
+    (consecutive, best first). tree_search/replay.py replays these to price smaller trees.
     """
 
     scores: torch.Tensor  # [M] cumulative draft log-probability

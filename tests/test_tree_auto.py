@@ -9,9 +9,11 @@ import torch
 from eagle_lab.draft import Candidates, EagleDrafter, TreeShape
 from eagle_lab.head import new_head
 from eagle_lab.ngram import NgramProposer
-from eagle_lab.tree_search.auto import (CostModel, Recording, ReplayTree, TreeSearchConfig, auto_tree, choose,
-                                        decode_timings, ngram_lengths, replay_all, row_ms, simulate_accept,
-                                        simulate_hybrid)
+from eagle_lab.tree_search.auto import TreeSearchConfig, auto_tree, choose, row_ms
+from eagle_lab.tree_search.costs import CostModel
+from eagle_lab.tree_search.replay import (Recording, ReplayTree, ngram_lengths, replay_all, simulate_accept,
+                                          simulate_hybrid)
+from eagle_lab.tree_search.validate import decode_timings
 from tests.conftest import small_vocab_target
 
 # root children a(5) > b(6) > c(7); a's children: d(8) > e(9); b's children: f(10) > g(11)
@@ -76,7 +78,7 @@ def test_auto_tree_calibrates_and_caches(tiny_llama, tmp_path):
 
 def test_timing_in_the_loop_overrules_the_model(tiny_llama, monkeypatch):
     """The model ranks a one-token chain above plain decoding; decoding timed in the loop decides."""
-    import eagle_lab.tree_search.auto as tree_auto
+    import eagle_lab.tree_search.validate as tree_validate
 
     costs = CostModel({1: 10.0, 2: 11.0, 5: 12.0}, {1: 1.0}, 1.0, 0.0, 0.0, plain_ms=10.0)
     ranked = [{"shape": {"depth": 1, "topk": 1, "total_tokens": 1}, "tau": 1.4, "tokens_per_s": 116.7}]
@@ -91,31 +93,31 @@ def test_timing_in_the_loop_overrules_the_model(tiny_llama, monkeypatch):
                     {"tokens": 100, "rounds": 100, "seconds": 1.0} for shape, _ in candidates]
         return timings
 
-    monkeypatch.setattr(tree_auto, "decode_timings", fake_timings(2.0))  # a round costs two plain ones
-    rows = tree_auto.validate(*args)
+    monkeypatch.setattr(tree_validate, "decode_timings", fake_timings(2.0))  # a round costs two plain ones
+    rows = tree_validate.validate(*args)
     assert timed[-1] == [1, 0]  # plain decoding timed in the same runs
     assert rows[0]["shape"]["depth"] == 0 and rows[1]["measured_tokens_per_s"] == pytest.approx(70.0)
     assert rows[1]["measured_tau"] == pytest.approx(1.4) and rows[1]["measured_round_ms"] == pytest.approx(20.0)
-    monkeypatch.setattr(tree_auto, "decode_timings", fake_timings(1.2))  # as cheap as the model said
-    assert tree_auto.validate(*args)[0]["shape"]["depth"] == 1
-    monkeypatch.setattr(tree_auto, "decode_timings", fake_timings(2.0))
-    fixed = tree_auto.validate(tiny_llama, drafter, ranked, costs, TreeShape(1, 0, 0), [[1, 2, 3]],
+    monkeypatch.setattr(tree_validate, "decode_timings", fake_timings(1.2))  # as cheap as the model said
+    assert tree_validate.validate(*args)[0]["shape"]["depth"] == 1
+    monkeypatch.setattr(tree_validate, "decode_timings", fake_timings(2.0))
+    fixed = tree_validate.validate(tiny_llama, drafter, ranked, costs, TreeShape(1, 0, 0), [[1, 2, 3]],
                                TreeSearchConfig(), None)
     assert [r["shape"]["depth"] for r in fixed] == [1] and timed[-1] == [1]  # a fixed depth never falls back
 
 
 def test_decode_timings_visit_every_prompt_with_every_candidate_in_rotating_order(tiny_llama, monkeypatch):
-    import eagle_lab.tree_search.auto as tree_auto
+    import eagle_lab.tree_search.validate as tree_validate
 
     drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(4, 4, 12))
     order = []
-    decode = tree_auto.speculative_decode
+    decode = tree_validate.speculative_decode
 
     def spy(target, drafter, prompt, *args):
         order.append((int(prompt[0]), drafter.shape.depth))
         return decode(target, drafter, prompt, *args)
 
-    monkeypatch.setattr(tree_auto, "speculative_decode", spy)
+    monkeypatch.setattr(tree_validate, "speculative_decode", spy)
     candidates = [(TreeShape(2, 2, 4), None), (TreeShape(1, 1, 1), None)]
     timings = decode_timings(tiny_llama, drafter, [list(range(40, 50)), list(range(60, 70))], 6, candidates)
     assert order == [(40, 2), (40, 1), (60, 1), (60, 2)]  # the second prompt starts with the second candidate

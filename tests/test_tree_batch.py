@@ -16,14 +16,14 @@ from eagle_lab.serving.drafters import drafter_factory, fork_eagle
 from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.sequence import Sequence
 from eagle_lab.serving.timed_batch import timed_batch_decoding
-from eagle_lab.tree_search.auto import CostModel
+from eagle_lab.tree_search.costs import CostModel
 from eagle_lab.tree_search.per_batch import (BatchCostModel, choose_per_batch, expected_widest, interpolate,
                                              measure_batched_forward, measured_choice, probe_drafting, ranked_per_batch,
                                              validate_per_batch)
 from tests.serving_helpers import TINY, serve_config
 from tests.scheduler_helpers import expected_alone, plan, run_plans
 
-SHAPES = [  # replayed accept lengths, as tree_search.auto.replay_all reports them
+SHAPES = [  # replayed accept lengths, as tree_search.replay.replay_all reports them
     {"shape": {"depth": 0, "topk": 0, "total_tokens": 0}, "tau": 1.0},
     {"shape": {"depth": 1, "topk": 2, "total_tokens": 2}, "tau": 1.5},
     {"shape": {"depth": 3, "topk": 2, "total_tokens": 6}, "tau": 2.2},

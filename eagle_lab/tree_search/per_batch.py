@@ -46,8 +46,9 @@ from eagle_lab.embedded import cache_root
 from eagle_lab.ngram import NgramProposer
 from eagle_lab.target import Target
 from eagle_lab.tree import build_tree
-from eagle_lab.tree_search.auto import (VALIDATE_TOP, CostModel, TreeSearchConfig, _timed, calibration,
-                                        calibration_prompts, choose, with_plain)
+from eagle_lab.tree_search.auto import TreeSearchConfig, calibration, calibration_prompts, choose
+from eagle_lab.tree_search.costs import CostModel, timed
+from eagle_lab.tree_search.validate import VALIDATE_TOP, with_plain
 
 log = logging.getLogger(__name__)
 PROBE_BATCHES = (2, 4, 8)
@@ -154,10 +155,10 @@ def measure_batched_forward(target: Target, context: int, batches=PROBE_BATCHES,
             def score():
                 batched = gather_caches(target, [cache] * batch, context)
                 out = target.forward(ids, batched, positions, attention_mask=mask)
-                target.logits(out.features)  # (B, K, V), as tree_search/auto.py charges batch 1
+                target.logits(out.features)  # (B, K, V), as tree_search/costs.py charges batch 1
 
             score()  # warm-up
-            costs[batch][k] = _timed(score, reps)
+            costs[batch][k] = timed(score, reps)
     return costs
 
 

@@ -1,0 +1,203 @@
+"""Measuring costs for tree=auto: the target's forward cost for K scored tokens after a realistic
+prefix, the drafter's cost per tree level for each frontier width k, and whole rounds timed in the
+decoding loop. CostModel prices a round of any shape from them.
+
+"Do not draft" competes like for like: it is priced by timing the no-draft path itself (the
+same loop with the head switched off), not by a model.
+
+Hybrid drafting (the drafter has an n-gram proposer): a round scores the tree's tokens plus the
+chain tokens the tree did not already hold, which the cost model charges round by round
+(target(K + 1) with the extra tokens in K, the overhead slope on them, plus the proposer's time).
+"n-gram only" (no head run, the root plus the chain) is priced as target(K + 1) plus the measured
+cost of such a round beyond its forward (timed n-gram-only rounds: proposing, verification,
+compaction; it shares none of the head rounds' tree overhead), or as the measured no-draft round
+when the chain is empty.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.generate import Stopper, speculative_decode
+from eagle_lab.ngram import NgramProposer
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import Target
+
+K_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass
+class CostModel:
+    target_ms: dict[int, float]  # K scored tokens -> ms
+    level_ms: dict[int, float]  # frontier width k -> ms per tree level below the first
+    first_level_ms: float  # feeding the accepted pairs + the root's children
+    overhead_ms: float  # per tree round, outside the two models (verification, bookkeeping)...
+    overhead_per_token_ms: float = 0.0  # ... plus this much per scored draft token
+    plain_ms: float = 0.0  # measured: one round of the no-draft path (one token); 0 = not measured
+    ngram_ms: float = 0.0  # measured: proposing one n-gram chain (hybrid drafting only)
+    ngram_round_ms: float | None = None  # measured: an n-gram-only round beyond target(K); None = not measured
+
+    def target(self, k: int) -> float:
+        keys = sorted(self.target_ms)
+        if k <= keys[0]:
+            return self.target_ms[keys[0]]
+        for lo, hi in zip(keys, keys[1:]):
+            if k <= hi:
+                w = (k - lo) / (hi - lo)
+                return (1 - w) * self.target_ms[lo] + w * self.target_ms[hi]
+        lo, hi = keys[-2], keys[-1]  # extrapolate linearly past the grid
+        return self.target_ms[hi] + (k - hi) * (self.target_ms[hi] - self.target_ms[lo]) / (hi - lo)
+
+    def round_ms(self, shape: TreeShape, extra: int = 0, ngram: bool = False) -> float:
+        """One round of `shape` that also scores `extra` n-gram tokens (ngram: a chain was proposed)."""
+        propose = self.ngram_ms if ngram else 0.0
+        if shape.depth == 0 and extra == 0:  # no draft: one token per round, the head is not run at all
+            return (self.plain_ms if self.plain_ms > 0 else self.target(1)) + propose
+        if shape.depth == 0 and self.ngram_round_ms is not None:  # n-gram only, priced by its own timed rounds
+            return self.target(extra + 1) + self.ngram_round_ms  # (the proposing is in the measured part)
+        scored = shape.total_tokens + extra
+        return self.model_ms(shape, extra) + self.overhead_ms + self.overhead_per_token_ms * scored + propose
+
+    def row_ms(self, row: dict) -> float:
+        """Mean ms per round of a replayed row: with n-gram branches, priced round by round by the
+        tokens the chain added (a round pays for every token it scores)."""
+        shape = TreeShape(**row["shape"])
+        if not row.get("ngram_tokens"):
+            return self.round_ms(shape)
+        extra = {int(k): v for k, v in row["extra"].items()}
+        return sum(v * self.round_ms(shape, k, ngram=True) for k, v in extra.items()) / max(sum(extra.values()), 1)
+
+    def model_ms(self, shape: TreeShape, extra: int = 0) -> float:
+        """The two models' share of a tree round: scoring total_tokens + extra + 1, drafting depth levels
+        (none at depth 0: an n-gram-only round does not run the head)."""
+        draft = 0.0
+        if shape.depth > 0:
+            level = self.level_ms.get(shape.topk) or max(self.level_ms.values())
+            draft = self.first_level_ms + (shape.depth - 1) * level
+        return self.target(shape.total_tokens + extra + 1) + draft
+
+
+def timed(fn, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_target_costs(target: Target, context: int, grid=K_GRID) -> dict[int, float]:
+    from eagle_lab.cache import truncate
+
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, target.vocab_size, (1, context), generator=g).to(target.device)
+    cache = target.new_cache()
+    target.forward(prefix, cache)
+    costs = {}
+    for k in grid:
+        tokens = torch.randint(0, target.vocab_size, (1, k), generator=g).to(target.device)
+        mask = torch.ones(k, k, dtype=torch.bool, device=target.device).tril()
+        positions = torch.arange(context, context + k, device=target.device)[None]
+
+        def score():
+            out = target.forward(tokens, cache, positions, mask)
+            target.logits(out.features[0])
+            truncate(cache, context)
+
+        score()  # warm-up
+        costs[k] = timed(score)
+    return costs
+
+
+@torch.no_grad()
+def measure_draft_costs(drafter: EagleDrafter, target: Target, topks, context: int) -> tuple[float, dict[int, float]]:
+    g = torch.Generator().manual_seed(1)
+    sequence = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
+    out = target.forward(sequence[None], layer_ids=drafter.feature_layers)
+    feats = (out.layer_features if out.layer_features is not None else out.features)[0]  # [T, F]
+    original = drafter.shape
+
+    def draft(depth: int, k: int) -> float:
+        drafter.shape = TreeShape(depth, k, k * depth)
+
+        def once():
+            drafter.reset()
+            drafter._commit(sequence[:-3], feats[: context - 4])  # a committed prefix, as mid-generation
+            drafter.draft(sequence, feats[context - 4: context - 1], max_depth=depth)
+
+        once()
+        return timed(once)
+
+    first, levels = [], {}
+    for k in topks:
+        one, three = draft(1, k), draft(3, k)
+        levels[k] = max((three - one) / 2, 0.0)
+        first.append(one)
+    drafter.shape = original
+    drafter.reset()
+    # the commit of the prefix was timed too: remove it by timing a depth-0 draft
+    drafter.shape = TreeShape(0, 1, 0)
+
+    def commit_only():
+        drafter.reset()
+        drafter._commit(sequence[:-3], feats[: context - 4])
+
+    prefix_ms = timed(commit_only)
+    drafter.shape = original
+    drafter.reset()
+    return max(statistics.median(first) - prefix_ms, 0.0), levels
+
+
+def timed_rounds(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
+                 shape: TreeShape) -> float:
+    """Median ms per round of greedy runs with `shape` (depth 0: the no-draft path)."""
+    saved, drafter.shape = drafter.shape, shape
+    round_ms: list[float] = []
+    try:
+        for ids in prompts:
+            decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device), SamplingParams(),
+                                         Stopper(target.tokenizer, new_tokens, set()))
+            stamps = [time.perf_counter() for _ in decoder]  # the prefill, then one chunk per round
+            round_ms += [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
+    finally:
+        drafter.shape = saved
+    return statistics.median(round_ms) if round_ms else 0.0
+
+
+def timed_ngram_rounds(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
+                       ngram: NgramProposer, costs: CostModel) -> float | None:
+    """Median ms an n-gram-only round (no head run, the root plus a chain) costs beyond its target
+    forward, target(tree size): proposing, verification, compaction, bookkeeping. None when no
+    round of the calibration prompts found a chain."""
+    saved_shape, saved_ngram, original_draft = drafter.shape, drafter.ngram, drafter.draft
+    sizes: list[int] = []
+
+    def sized_draft(sequence, new_features, max_depth):
+        tree = original_draft(sequence, new_features, max_depth)
+        sizes.append(tree.size)
+        return tree
+
+    drafter.shape, drafter.ngram, drafter.draft = TreeShape(0, 0, 0), ngram, sized_draft
+    beyond: list[float] = []
+    try:
+        for ids in prompts:
+            sizes.clear()
+            decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device), SamplingParams(),
+                                         Stopper(target.tokenizer, new_tokens, set()))
+            stamps = [time.perf_counter() for _ in decoder]  # the prefill, then one chunk per round
+            for size, (a, b) in zip(sizes, zip(stamps, stamps[1:])):
+                if size > 1:  # a chain was merged
+                    beyond.append(1000 * (b - a) - costs.target(size))
+    finally:
+        drafter.shape, drafter.ngram, drafter.draft = saved_shape, saved_ngram, original_draft
+    return max(statistics.median(beyond), 0.0) if beyond else None

@@ -1,0 +1,84 @@
+"""Timing candidates in the decoding loop (tree=auto): the cost model's best few shapes, plain
+decoding among them, each prompt decoded by all of them in turn, re-ranked by measured tokens/s
+(the model prices a round's parts one by one; a small tree's round on a CPU can cost more than
+they add up to).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.generate import Stopper, speculative_decode
+from eagle_lab.ngram import NgramProposer
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import Target
+from eagle_lab.tree_search.costs import CostModel
+
+if TYPE_CHECKING:  # auto.py imports this module
+    from eagle_lab.tree_search.auto import TreeSearchConfig
+
+VALIDATE_TOP = 3  # the model's best shapes timed in the decoding loop before one is chosen
+
+
+def decode_timings(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
+                   candidates: list[tuple[TreeShape, NgramProposer | None]]) -> list[dict]:
+    """Greedy decoding with each candidate (tree shape, n-gram proposer or None; depth 0 and no
+    proposer = the no-draft path): tokens, rounds and seconds summed over the prompts, prefills
+    not counted. Each prompt is decoded by every candidate in turn, in an order rotated from one
+    prompt to the next, so a drift in the machine's speed (other work, clocks) falls on all of
+    them alike instead of on whichever was timed last."""
+    totals = [{"tokens": 0, "rounds": 0, "seconds": 0.0} for _ in candidates]
+    saved_shape, saved_ngram = drafter.shape, drafter.ngram
+    try:
+        for p, ids in enumerate(prompts):
+            for c in [(p + i) % len(candidates) for i in range(len(candidates))]:
+                drafter.shape, drafter.ngram = candidates[c]
+                decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device),
+                                             SamplingParams(), Stopper(target.tokenizer, new_tokens, set()))
+                stamps, tokens = [], 0
+                for i, chunk in enumerate(decoder):  # the prefill's token, then one chunk per round
+                    stamps.append(time.perf_counter())
+                    tokens += len(chunk) if i else 0
+                totals[c]["tokens"] += tokens
+                totals[c]["rounds"] += len(stamps) - 1
+                totals[c]["seconds"] += stamps[-1] - stamps[0]
+    finally:
+        drafter.shape, drafter.ngram = saved_shape, saved_ngram
+    return totals
+
+
+def with_plain(rows: list[dict], fixed: TreeShape) -> list[dict]:
+    """Copies of `rows`, plus plain decoding (no draft, no chain) when the fixed fields allow it
+    and it is not among them: the candidates timed against each other in the loop."""
+    rows = [dict(row) for row in rows]
+    free = not (fixed.depth or fixed.topk or fixed.total_tokens)
+    if free and not any(r["shape"]["depth"] == 0 and not r.get("ngram_tokens") for r in rows):
+        rows.append({"shape": asdict(TreeShape(0, 0, 0)), "tau": 1.0})
+    return rows
+
+
+def validate(target: Target, drafter: EagleDrafter, ranked: list[dict], costs: CostModel, fixed: TreeShape,
+             prompts: list[list[int]], search: TreeSearchConfig, ngram: NgramProposer | None) -> list[dict]:
+    """The model's best VALIDATE_TOP rows, timed in the decoding loop and re-ranked by measured
+    tokens/s (tokens over seconds, as the benchmark measures it), with plain decoding timed in
+    the same interleaved runs when the fixed fields allow it. The model prices each part of a
+    round on its own; on a CPU a small tree's round can cost more than its parts add up to, so
+    the model may rank a tree above plain decoding that is slower in the loop; the measured
+    ranking decides."""
+    rows = with_plain(ranked[:VALIDATE_TOP], fixed)
+    candidates = []
+    for row in rows:
+        chain = int(row.get("ngram_tokens", 0))
+        proposer = replace(ngram, max_tokens=chain) if ngram is not None and chain else None
+        candidates.append((TreeShape(**row["shape"]), proposer))
+    timings = decode_timings(target, drafter, prompts, search.validate_new_tokens, candidates)
+    for row, timing in zip(rows, timings):
+        rounds, seconds = max(timing["rounds"], 1), max(timing["seconds"], 1e-9)
+        row.update(measured_tokens_per_s=timing["tokens"] / seconds, measured_tau=timing["tokens"] / rounds,
+                   measured_round_ms=1000 * seconds / rounds)
+    return sorted(rows, key=lambda r: -r["measured_tokens_per_s"])
