@@ -63,6 +63,9 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
     length is searched too (up to ngram.max_tokens), and it may be switched off or used alone.
     """
     fixed = TreeShape(tree.depth, tree.topk, tree.total_tokens)
+    if tree.min_gain < 1.0:
+        raise EagleLabError(f"tree.min_gain must be >= 1 (how much faster than plain decoding a tree must time "
+                            f"to be used); got {tree.min_gain}")
     if not tree.auto:
         if not (tree.depth and tree.topk and tree.total_tokens):
             raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")
@@ -70,7 +73,7 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
     from eagle_lab.tree_search.auto import auto_tree
 
     drafter = EagleDrafter(head, target, TreeShape(4, 4, 12), ngram)
-    auto_tree(target, drafter, fixed)
+    auto_tree(target, drafter, fixed, min_gain=tree.min_gain)
     return drafter
 
 

@@ -39,6 +39,9 @@ class TreeConfig:
     depth: int = 0
     topk: int = 0
     total_tokens: int = 0
+    # tree=auto drafts only where the fastest timed tree beats plain decoding, timed beside it, by
+    # this factor (at batch 1 and at each batch size the server times); else plain decoding
+    min_gain: float = 1.0
 
 
 @dataclass

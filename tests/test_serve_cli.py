@@ -129,6 +129,7 @@ def bad_inputs(tmp: Path, heads: Path) -> dict[str, tuple[list[str], str]]:
         "ngram max_tokens zero": (["method=ngram", "ngram.max_tokens=0"], "ngram.max_tokens"),
         "ngram min_match zero": (["ngram.enabled=true", "ngram.min_match=0"], "ngram.min_match"),
         "unknown method": (["method=medusa"], "method"),
+        "tree min_gain below one": (["tree.min_gain=0.5"], "tree.min_gain"),
     }
 
 

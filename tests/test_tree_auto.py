@@ -74,6 +74,15 @@ def test_auto_tree_calibrates_and_caches(tiny_llama, tmp_path):
     assert summary["cost_model"]["overhead_ms"] >= 0 and summary["cost_model"]["overhead_per_token_ms"] >= 0
     again = auto_tree(tiny_llama, drafter, TreeShape(2, 0, 0), prompts, search, cache_dir=tmp_path)
     assert again.depth == 2 and len(list(tmp_path.glob("*.json"))) == 1  # served from the cache
+    timed = summary["validated"]["d0-k0-n0"]
+    plain_rate = next(r for r in timed if r["shape"]["depth"] == 0)["measured_tokens_per_s"]
+    beaten_by = timed[0]["measured_tokens_per_s"] / plain_rate  # the fastest timed row against plain
+    strict = auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path,
+                       min_gain=beaten_by * 1.01)  # the same timings (cached), a margin no tree meets
+    assert strict == TreeShape(0, 0, 0)
+    loose = auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path,
+                      min_gain=max(beaten_by * 0.99, 1.0))
+    assert loose == TreeShape(**timed[0]["shape"])
 
 
 def test_timing_in_the_loop_overrules_the_model(tiny_llama, monkeypatch):

@@ -16,6 +16,7 @@ from eagle_lab.serving.drafters import drafter_factory, fork_eagle
 from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.sequence import Sequence
 from eagle_lab.serving.timed_batch import timed_batch_decoding
+from eagle_lab.tree_search.validate import measured_best
 from eagle_lab.tree_search.costs import CostModel
 from eagle_lab.tree_search.per_batch import (BatchCostModel, choose_per_batch, expected_widest, interpolate,
                                              measure_batched_forward, measured_choice, probe_drafting, ranked_per_batch,
@@ -135,6 +136,18 @@ def test_measured_choice_uses_the_next_timed_size_up():
                                                                                "total_tokens": 0}}
     choice = measured_choice({2: [tree, plain], 4: [plain, tree], 6: [plain]}, 6)
     assert choice == {2: tree, 3: plain, 4: plain, 5: plain, 6: plain}
+
+
+def test_min_gain_keeps_plain_unless_a_tree_wins_by_that_much():
+    plain = {"shape": {"depth": 0, "topk": 0, "total_tokens": 0}, "measured_tokens_per_s": 100.0}
+    small = {"shape": {"depth": 1, "topk": 2, "total_tokens": 2}, "measured_tokens_per_s": 108.0}
+    big = {"shape": {"depth": 2, "topk": 2, "total_tokens": 4}, "measured_tokens_per_s": 125.0}
+    measured = {2: [big, plain], 4: [small, plain], 8: [plain, small]}
+    assert measured_choice(measured, 8) == {2: big, 3: small, 4: small, 5: plain, 6: plain, 7: plain, 8: plain}
+    assert measured_choice(measured, 8, min_gain=1.1) == {2: big, 3: plain, 4: plain, 5: plain, 6: plain,
+                                                          7: plain, 8: plain}
+    assert measured_best([big, plain], 1.3) is plain and measured_best([big, plain], 1.25) is big
+    assert measured_best([big, small], 2.0) is big  # plain not timed (fixed fields): nothing to keep
 
 
 def test_validate_per_batch_times_the_best_trees_against_plain(tiny_llama, monkeypatch):

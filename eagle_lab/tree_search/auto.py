@@ -43,7 +43,7 @@ from eagle_lab.target import Target
 from eagle_lab.tree_search.costs import (CostModel, measure_draft_costs, measure_target_costs, timed_ngram_rounds,
                                          timed_rounds)
 from eagle_lab.tree_search.replay import ngram_lengths, record, replay_all
-from eagle_lab.tree_search.validate import validate
+from eagle_lab.tree_search.validate import is_plain, measured_best, validate
 
 log = logging.getLogger(__name__)
 CALIBRATION_PROMPTS = (
@@ -182,9 +182,11 @@ def validated(target: Target, drafter: EagleDrafter, summary: dict, path: Path, 
 
 
 def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
-              search: TreeSearchConfig | None = None, cache_dir: Path | None = None) -> TreeShape:
+              search: TreeSearchConfig | None = None, cache_dir: Path | None = None,
+              min_gain: float = 1.0) -> TreeShape:
     """The fastest shape for this target, head and device (measured once, cached); sets it
-    on the drafter. fixed: non-zero fields are kept as given.
+    on the drafter. fixed: non-zero fields are kept as given. min_gain: a tree must beat plain
+    decoding's timed tokens/s by this factor (validate.measured_best).
 
     With an n-gram proposer on the drafter (hybrid drafting), its chain length is chosen too
     (up to its max_tokens): the drafter's proposer is replaced by one with the chosen length,
@@ -194,9 +196,13 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
     summary, costs, path = calibration(target, drafter, fixed, prompts, search, cache_dir)
     _, ranked = choose(summary["shapes"], costs, fixed)
     measured = validated(target, drafter, summary, path, ranked, costs, fixed, prompts, search, ngram)
-    best = measured[0]
+    best = measured_best(measured, min_gain)
     chosen, chain = TreeShape(**best["shape"]), int(best.get("ngram_tokens", 0))
-    plain = next((r for r in measured if r["shape"]["depth"] == 0 and not r.get("ngram_tokens")), None)
+    plain = next((r for r in measured if is_plain(r)), None)
+    if best is not measured[0]:
+        log.info("tree=auto: the fastest tree timed %.1f tok/s, less than tree.min_gain=%.2f x plain decoding's "
+                 "%.1f: decoding without drafts", measured[0]["measured_tokens_per_s"], min_gain,
+                 plain["measured_tokens_per_s"])
     first = next(r for r in measured if r["shape"] == ranked[0]["shape"]
                  and r.get("ngram_tokens", 0) == ranked[0].get("ngram_tokens", 0))
     log.info("tree=auto chose depth=%d topk=%d total_tokens=%d%s: %.1f tok/s timed in the loop (tau %.2f; model: "

@@ -48,7 +48,7 @@ from eagle_lab.target import Target
 from eagle_lab.tree import build_tree
 from eagle_lab.tree_search.auto import TreeSearchConfig, calibration, calibration_prompts, choose
 from eagle_lab.tree_search.costs import CostModel, timed
-from eagle_lab.tree_search.validate import VALIDATE_TOP, with_plain
+from eagle_lab.tree_search.validate import VALIDATE_TOP, measured_best, with_plain
 
 log = logging.getLogger(__name__)
 PROBE_BATCHES = (2, 4, 8)
@@ -258,21 +258,24 @@ def validate_per_batch(target: Target, drafter: EagleDrafter, ranked: dict[int, 
     return measured
 
 
-def measured_choice(measured: dict[int, list[dict]], max_batch: int) -> dict[int, dict]:
-    """batch size 2..max_batch -> the row to use: a timed size its fastest row, any other size
-    the choice of the next timed size up (the smaller tree: trees shrink as the batch grows)."""
+def measured_choice(measured: dict[int, list[dict]], max_batch: int, min_gain: float = 1.0) -> dict[int, dict]:
+    """batch size 2..max_batch -> the row to use: a timed size its fastest row (plain decoding
+    unless a tree beats it by min_gain: validate.measured_best), any other size the choice of the
+    next timed size up (the smaller tree: trees shrink as the batch grows)."""
     sizes = sorted(measured)
-    return {batch: measured[next(b for b in sizes if b >= batch)][0] for batch in range(2, max_batch + 1)}
+    return {batch: measured_best(measured[next(b for b in sizes if b >= batch)], min_gain)
+            for batch in range(2, max_batch + 1)}
 
 
 def trees_per_batch(target: Target, drafter: EagleDrafter, fixed: TreeShape, max_batch: int,
                     search: TreeSearchConfig | None = None, ngram: NgramProposer | None = None,
-                    prompts: list[list[int]] | None = None) -> dict[int, BatchTree]:
+                    prompts: list[list[int]] | None = None, min_gain: float = 1.0) -> dict[int, BatchTree]:
     """After auto_tree: the tree for each batch size 2..max_batch (batch 1 keeps the drafter's).
     ngram: the proposer tree=auto calibrated with (hybrid drafting; auto_tree may have shortened
     the drafter's, or removed it). While the drafter keeps a proposer, each batch size also gets
     its chain length (0: none); without one, chains are not searched. prompts: what the trees are
-    timed on (default: tree=auto's calibration prompts)."""
+    timed on (default: tree=auto's calibration prompts). min_gain: a tree must beat plain decoding's
+    measured tokens/s by this factor at its batch size (validate.measured_best)."""
     if max_batch < 2:
         return {}
     search = search or TreeSearchConfig()
@@ -305,7 +308,7 @@ def trees_per_batch(target: Target, drafter: EagleDrafter, fixed: TreeShape, max
              drafter.shape.topk, drafter.shape.total_tokens,
              f" + n-gram chains of {chosen_ngram.max_tokens}" if hybrid else "")
     trees = {}
-    for batch, row in measured_choice(measured, max_batch).items():
+    for batch, row in measured_choice(measured, max_batch, min_gain).items():
         log.info("tree per batch size: %d: %s, tau %.2f", batch, describe(row, hybrid),
                  row.get("measured_tau", row["tau"]))
         trees[batch] = batch_tree(row, hybrid)

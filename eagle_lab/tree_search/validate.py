@@ -57,9 +57,27 @@ def with_plain(rows: list[dict], fixed: TreeShape) -> list[dict]:
     and it is not among them: the candidates timed against each other in the loop."""
     rows = [dict(row) for row in rows]
     free = not (fixed.depth or fixed.topk or fixed.total_tokens)
-    if free and not any(r["shape"]["depth"] == 0 and not r.get("ngram_tokens") for r in rows):
+    if free and not any(is_plain(r) for r in rows):
         rows.append({"shape": asdict(TreeShape(0, 0, 0)), "tau": 1.0})
     return rows
+
+
+def is_plain(row: dict) -> bool:
+    return row["shape"]["depth"] == 0 and not row.get("ngram_tokens")
+
+
+def measured_best(rows: list[dict], min_gain: float = 1.0) -> dict:
+    """rows sorted by measured tokens/s -> the one to use: the fastest, unless plain decoding was
+    timed beside it and the fastest drafting row beats it by less than `min_gain` (then plain).
+    The candidates are timed on a few calibration prompts; served prompts can accept fewer
+    tokens, so a margin keeps a tree that only just wins there from losing in service."""
+    best = rows[0]
+    if min_gain <= 1.0:
+        return best  # sorted: nothing timed faster
+    plain = next((r for r in rows if is_plain(r)), None)
+    if plain is None or best is plain or best["measured_tokens_per_s"] >= min_gain * plain["measured_tokens_per_s"]:
+        return best
+    return plain
 
 
 def validate(target: Target, drafter: EagleDrafter, ranked: list[dict], costs: CostModel, fixed: TreeShape,
