@@ -63,9 +63,10 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
     length is searched too (up to ngram.max_tokens), and it may be switched off or used alone.
     """
     fixed = TreeShape(tree.depth, tree.topk, tree.total_tokens)
-    if tree.min_gain < 1.0:
-        raise EagleLabError(f"tree.min_gain must be >= 1 (how much faster than plain decoding a tree must time "
-                            f"to be used); got {tree.min_gain}")
+    for key, gain in (("min_gain", tree.min_gain), ("batch_min_gain", tree.batch_min_gain)):
+        if gain < 1.0:
+            raise EagleLabError(f"tree.{key} must be >= 1 (how much faster than plain decoding a tree must time "
+                                f"to be used); got {gain}")
     if not tree.auto:
         if not (tree.depth and tree.topk and tree.total_tokens):
             raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")

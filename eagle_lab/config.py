@@ -40,8 +40,12 @@ class TreeConfig:
     topk: int = 0
     total_tokens: int = 0
     # tree=auto drafts only where the fastest timed tree beats plain decoding, timed beside it, by
-    # this factor (at batch 1 and at each batch size the server times); else plain decoding
+    # this factor; else it decodes without drafts. min_gain: at batch 1 (serve.py, bench, a lone
+    # server request); batch_min_gain: at the server's batch sizes >= 2, where timings on the few
+    # calibration prompts overrated trees (README "Tree per batch size": +7-10% timed in place,
+    # 8-19% slower than batched vanilla in the concurrency sweep)
     min_gain: float = 1.0
+    batch_min_gain: float = 1.2
 
 
 @dataclass

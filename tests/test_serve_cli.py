@@ -130,6 +130,7 @@ def bad_inputs(tmp: Path, heads: Path) -> dict[str, tuple[list[str], str]]:
         "ngram min_match zero": (["ngram.enabled=true", "ngram.min_match=0"], "ngram.min_match"),
         "unknown method": (["method=medusa"], "method"),
         "tree min_gain below one": (["tree.min_gain=0.5"], "tree.min_gain"),
+        "tree batch_min_gain below one": (["tree.batch_min_gain=0.9"], "tree.batch_min_gain"),
     }
 
 

@@ -72,7 +72,7 @@ def batch_trees(cfg: ServeConfig, target, prototype) -> dict:
     fixed = TreeShape(cfg.tree.depth, cfg.tree.topk, cfg.tree.total_tokens)
     calibrated = ngram_proposer(cfg.ngram) if cfg.ngram.enabled and cfg.method == "eagle" else None
     return trees_per_batch(target, prototype, fixed, cfg.server.max_batch, ngram=calibrated,
-                           min_gain=cfg.tree.min_gain)
+                           min_gain=cfg.tree.batch_min_gain)
 
 
 def run_server(cfg: ServeConfig) -> None:
