@@ -183,6 +183,23 @@ def test_scaling_report_tables_and_plots_runs_by_tokens(tmp_path, capsys):
     assert "no card.json" in capsys.readouterr().err
 
 
+def test_scaling_report_compares_mtbench_on_the_same_prompt_count(tmp_path):
+    from eagle_lab.card import HeadCard, write_card
+    from eagle_lab.training.scaling_report import main
+
+    taus = {"both": {"cpu": {"T=0": 2.2, "T=0,n=20": 2.1, "T=1": 1.7}}, "only80": {"cpu": {"T=0": 1.9}}}
+    for tokens, (name, tau) in enumerate(taus.items(), start=1):
+        (tmp_path / name / "head").mkdir(parents=True)
+        write_card(tmp_path / name / "head", HeadCard(target="t", kind="eagle2", train_tokens=tokens * 10**6,
+                                                      heldout_top1=[0.5], heldout_tau_chain=1.5, mtbench_tau=tau))
+    runs = [str(tmp_path / name) for name in taus]
+    for prompts, expected in (("20", ["2.10 (20 prompts)", "1.90 (80 prompts)"]),
+                              ("80", ["2.20 (80 prompts)", "1.90 (80 prompts)"])):
+        assert main(runs + ["--out", str(tmp_path / prompts), "--prompts", prompts]) == 0
+        rows = (tmp_path / prompts / "scaling.md").read_text().splitlines()[2:]
+        assert [row.rsplit("| ", 1)[1].rstrip(" |") for row in rows] == expected
+
+
 def test_capture_only_cli_captures_and_trains_nothing(tmp_path):
     from test_train import run_script
 

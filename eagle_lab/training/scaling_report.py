@@ -1,9 +1,11 @@
-"""`python -m eagle_lab.training.scaling_report RUN_DIR... [--out DIR]`: the data-scaling table and plot.
+"""`python -m eagle_lab.training.scaling_report RUN_DIR... [--out DIR] [--prompts N]`: the data-scaling table and plot.
 
 Reads each run's `head/card.json` (written by train.py, MT-bench tau added by
 `mode=bench bench.update_card=true`) and writes `scaling.md` (a Markdown table, one row per
 run, sorted by training tokens) and `scaling.png` (held-out chain tau and MT-bench tau against
-training tokens, log scale) to --out (default: the current directory).
+training tokens, log scale) to --out (default: the current directory). Every point shows MT-bench
+tau on the same number of prompts where the cards have it (--prompts, 20 by default: the curve's
+measure), so a head also benched on all 80 does not mix two measures in one column.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from eagle_lab.card import HeadCard, read_card
+from eagle_lab.card import MTBENCH_QUESTIONS, HeadCard, read_card
 
 
 def load_cards(run_dirs: list[Path]) -> list[tuple[Path, HeadCard]]:
@@ -26,17 +28,33 @@ def load_cards(run_dirs: list[Path]) -> list[tuple[Path, HeadCard]]:
     return sorted(cards, key=lambda rc: (rc[1].train_tokens, str(rc[0])))
 
 
-def mtbench(card: HeadCard, tree: str = "cpu", temperature: str = "T=0") -> str:
-    """The MT-bench tau for a tree at a temperature, with its prompt count when not all 80."""
+def bench_prompts(key: str) -> int:
+    """Prompt count of a card's MT-bench key: "T=0" is all 80 first turns, "T=0,n=20" is 20."""
+    n = key.partition(",n=")[2]
+    return int(n) if n else MTBENCH_QUESTIONS
+
+
+def mtbench_tau(card: HeadCard, prompts: int, tree: str = "cpu", temperature: str = "T=0") -> tuple[float, int] | None:
+    """(tau, prompt count) for a tree at a temperature, measured on `prompts` prompts when the card
+    has that figure (a curve compares like with like), else on the most prompts it has."""
     by_t = card.mtbench_tau.get(tree, {})
-    for key, tau in sorted(by_t.items()):
-        if key == temperature or key.startswith(temperature + ","):
-            n = key.partition(",n=")[2]
-            return f"{tau:.2f}" + (f" ({n} prompts)" if n else "")
-    return "-"
+    found = {bench_prompts(key): tau for key, tau in by_t.items()
+             if key == temperature or key.startswith(temperature + ",")}
+    if not found:
+        return None
+    n = prompts if prompts in found else max(found)
+    return found[n], n
 
 
-def table(cards: list[tuple[Path, HeadCard]]) -> str:
+def mtbench(card: HeadCard, prompts: int = 20) -> str:
+    entry = mtbench_tau(card, prompts)
+    if entry is None:
+        return "-"
+    tau, n = entry
+    return f"{tau:.2f} ({n} prompts)"
+
+
+def table(cards: list[tuple[Path, HeadCard]], prompts: int = 20) -> str:
     depth = max((len(c.heldout_top1) for _, c in cards), default=0)
     head = (["run", "conversations", "tokens", "epochs", "steps"] + [f"top-1 @{d}" for d in range(1, depth + 1)]
             + ["chain tau", "MT-bench tau (tree=cpu, T=0)"])
@@ -44,12 +62,12 @@ def table(cards: list[tuple[Path, HeadCard]]) -> str:
     for run, card in cards:
         top1 = [f"{a:.3f}" for a in card.heldout_top1] + ["-"] * (depth - len(card.heldout_top1))
         row = [run.name, str(card.train_conversations), f"{card.train_tokens / 1e6:.2f}M", f"{card.epochs:.2f}",
-               str(card.steps), *top1, f"{card.heldout_tau_chain:.3f}", mtbench(card)]
+               str(card.steps), *top1, f"{card.heldout_tau_chain:.3f}", mtbench(card, prompts)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(cards: list[tuple[Path, HeadCard]], path: Path) -> None:
+def plot(cards: list[tuple[Path, HeadCard]], path: Path, prompts: int = 20) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,9 +85,7 @@ def plot(cards: list[tuple[Path, HeadCard]], path: Path) -> None:
     left.set(xscale="log", xlabel="training tokens (M)", ylabel="held-out top-1", title="held-out top-1 by draft position")
     left.legend(fontsize=8)
     right.plot(tokens, [c.heldout_tau_chain for _, c in cards], marker="o", label="held-out chain tau")
-    bench = [(t, c.mtbench_tau.get("cpu", {})) for t, (_, c) in zip(tokens, cards)]
-    points = [(t, next((v for k, v in sorted(by_t.items()) if k.startswith("T=0")), None)) for t, by_t in bench]
-    points = [(t, v) for t, v in points if v is not None]
+    points = [(t, entry[0]) for t, (_, c) in zip(tokens, cards) if (entry := mtbench_tau(c, prompts)) is not None]
     if points:
         right.plot(*zip(*points), marker="s", label="MT-bench tau (tree=cpu, T=0)")
     right.set(xscale="log", xlabel="training tokens (M)", ylabel="tokens per target forward", title="tau")
@@ -86,15 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="training run directories (runs/<name>)")
     parser.add_argument("--out", type=Path, default=Path("."), help="where scaling.md and scaling.png go")
+    parser.add_argument("--prompts", type=int, default=20,
+                        help="MT-bench figure to show, by prompt count, where a card has several (default 20)")
     args = parser.parse_args(argv)
     cards = load_cards(args.runs)
     if not cards:
         print("error: none of the given runs has a head card", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    text = table(cards)
+    text = table(cards, args.prompts)
     (args.out / "scaling.md").write_text(text)
-    plot(cards, args.out / "scaling.png")
+    plot(cards, args.out / "scaling.png", args.prompts)
     print(text, end="")
     print(f"wrote {args.out / 'scaling.md'} and {args.out / 'scaling.png'}")
     return 0
