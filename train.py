@@ -1,12 +1,12 @@
 """Train an EAGLE draft head: python train.py [experiment=smoke] [overrides]; -m for sweeps."""
 
 import functools
-import shlex
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from eagle_lab.card import reproducing_command
 from eagle_lab.cli import run_entry
 from eagle_lab.config import register_configs
 
@@ -17,8 +17,7 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     from eagle_lab.training.trainer import run
 
-    overrides = HydraConfig.get().overrides.task
-    command = "python train.py" + "".join(" " + shlex.quote(o) for o in overrides)
+    command = reproducing_command("train.py", list(HydraConfig.get().overrides.task))
     run_entry(functools.partial(run, command=command), cfg)
 
 

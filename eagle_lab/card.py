@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -17,6 +18,16 @@ from eagle_lab.errors import EagleLabError
 
 log = logging.getLogger(__name__)
 CARD_NAME = "card.json"
+# Overrides that say how a session ran a job, not what it trains: a run resumed across sessions
+# reproduces without them.
+SESSION_OVERRIDES = ("trainer.resume", "trainer.time_limit_min", "trainer.stop_at")
+
+
+def reproducing_command(script: str, overrides: list[str]) -> str:
+    """The command line for a head card: `python <script>` and its Hydra overrides, less the
+    session ones (a head resumed over three sessions is reproduced by one plain run)."""
+    kept = [o for o in overrides if o.partition("=")[0].lstrip("+~") not in SESSION_OVERRIDES]
+    return " ".join(["python", script, *map(shlex.quote, kept)])
 
 
 @dataclass

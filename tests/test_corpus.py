@@ -164,6 +164,17 @@ def test_head_card_round_trip_and_mtbench_tau(tmp_path):
         read_card(tmp_path)
 
 
+def test_card_command_leaves_out_how_the_sessions_ran_the_job():
+    from eagle_lab.card import reproducing_command
+
+    overrides = ["experiment=sharegpt_scale", "name=scale-all", "trainer.resume=true",
+                 "trainer.time_limit_min=150", "+trainer.stop_at=2026-12-02T01:00", "optim.lr=3e-4",
+                 "data.path=my file.jsonl"]
+    assert reproducing_command("train.py", overrides) == (
+        "python train.py experiment=sharegpt_scale name=scale-all optim.lr=3e-4 'data.path=my file.jsonl'")
+    assert reproducing_command("train.py", []) == "python train.py"
+
+
 def test_scaling_report_tables_and_plots_runs_by_tokens(tmp_path, capsys):
     from eagle_lab.card import HeadCard, write_card
     from eagle_lab.training.scaling_report import main
