@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from eagle_lab.card import MTBENCH_QUESTIONS, HeadCard, read_card
+from eagle_lab.card import HeadCard, bench_prompts, read_card
 
 
 def load_cards(run_dirs: list[Path]) -> list[tuple[Path, HeadCard]]:
@@ -26,12 +26,6 @@ def load_cards(run_dirs: list[Path]) -> list[tuple[Path, HeadCard]]:
             continue
         cards.append((run, card))
     return sorted(cards, key=lambda rc: (rc[1].train_tokens, str(rc[0])))
-
-
-def bench_prompts(key: str) -> int:
-    """Prompt count of a card's MT-bench key: "T=0" is all 80 first turns, "T=0,n=20" is 20."""
-    n = key.partition(",n=")[2]
-    return int(n) if n else MTBENCH_QUESTIONS
 
 
 def mtbench_tau(card: HeadCard, prompts: int, tree: str = "cpu", temperature: str = "T=0") -> tuple[float, int] | None:
