@@ -9,6 +9,7 @@ import torch
 
 from eagle_lab.card import read_card
 from eagle_lab.config import HeadConfig, NgramConfig, TreeConfig
+from eagle_lab.decoding.backend import Backend
 from eagle_lab.draft import Drafter, EagleDrafter, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, speculative_decode, vanilla_decode
@@ -47,16 +48,18 @@ def build_head(cfg: HeadConfig, target: Target) -> EagleHead:
 
 
 def build_decoder(method: str, target: Target, drafter: Drafter | None, prompt_ids: torch.Tensor,
-                  params: SamplingParams, stopper: Stopper, generator: torch.Generator | None):
+                  params: SamplingParams, stopper: Stopper, generator: torch.Generator | None,
+                  backend: Backend | None = None):
+    """backend: how the target runs (eagle_lab.decoding.backend); None: eager over a dynamic cache."""
     if method == "vanilla":
-        return vanilla_decode(target, prompt_ids, params, stopper, generator)
+        return vanilla_decode(target, prompt_ids, params, stopper, generator, backend)
     if method in SPECULATIVE:
-        return speculative_decode(target, drafter, prompt_ids, params, stopper, generator)
+        return speculative_decode(target, drafter, prompt_ids, params, stopper, generator, backend)
     raise EagleLabError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
 
 
 def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
-                  ngram: NgramProposer | None = None) -> EagleDrafter:
+                  ngram: NgramProposer | None = None, backend: Backend | None = None) -> EagleDrafter:
     """A drafter with a fixed tree, or with the shape tree=auto measures for this device.
 
     ngram: merge n-gram branches into every tree (hybrid drafting); under tree=auto its chain
@@ -70,11 +73,14 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
     if not tree.auto:
         if not (tree.depth and tree.topk and tree.total_tokens):
             raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")
-        return EagleDrafter(head, target, fixed, ngram)
+        drafter = EagleDrafter(head, target, fixed, ngram)
+        if getattr(backend, "buckets", None) and ngram is not None:  # keep hybrid trees within compiled sizes
+            drafter.max_tree_tokens = max(max(backend.buckets), tree.total_tokens + 1)
+        return drafter
     from eagle_lab.tree_search.auto import auto_tree
 
     drafter = EagleDrafter(head, target, TreeShape(4, 4, 12), ngram)
-    auto_tree(target, drafter, fixed, min_gain=tree.min_gain)
+    auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend)
     return drafter
 
 

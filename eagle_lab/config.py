@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from eagle_lab.decoding.backend import DecodingConfig
 from eagle_lab.target import TargetConfig
 from eagle_lab.training.data import DataConfig
 
@@ -95,6 +96,10 @@ class ServeConfig:
     ngram: NgramConfig = field(default_factory=NgramConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    decoding: DecodingConfig = field(default_factory=DecodingConfig)
+    # auto: compile the target step (static cache, torch.compile) where it measured faster on this device
+    # and the run decodes enough to pay for compiling; true: always; false: eager over a dynamic cache
+    compile: str = "auto"
     mode: str = "generate"  # generate | bench | server
     method: str = "eagle"  # eagle | vanilla | ngram
     prompt: str = ""

@@ -82,6 +82,7 @@ class EagleDrafter:
         self.committed = 0  # pairs in the head cache that belong to the committed sequence
         self.last_candidates: Candidates | None = None
         self.feature_layers = tuple(head.arch.feature_layers)  # target layers the head reads
+        self.max_tree_tokens = 0  # > 0: n-gram chains are cut so a tree never has more nodes (static buckets)
 
     def reset(self) -> None:
         self.cache = HeadKVCache()
@@ -103,7 +104,8 @@ class EagleDrafter:
     def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
         tree = self._draft_eagle(sequence, new_features, max_depth)
         if self.ngram is not None and max_depth >= 1:  # the chain's depth is its length: cap it like the tree's
-            tree = merge_chain(tree, self.ngram.propose(sequence)[:max_depth])
+            room = self.max_tree_tokens - tree.size if self.max_tree_tokens else max_depth
+            tree = merge_chain(tree, self.ngram.propose(sequence)[:max(min(max_depth, room), 0)])
         return tree
 
     @torch.no_grad()

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_lab.cache import keep_accepted
+from eagle_lab.decoding.backend import Backend, EagerBackend
+from eagle_lab.decoding.round import RoundObserver, speculative_round
+from eagle_lab.decoding.scoring import Scorer
 from eagle_lab.draft import Drafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.sampling import SamplingParams, next_token
 from eagle_lab.target import Target
 from eagle_lab.tree import DraftTree
-from eagle_lab.verify import verify
 
 
 @dataclass
@@ -96,77 +97,78 @@ class Stopper:
         return any(s in text[-(self._longest + 16):] for s in self.stop)
 
 
-def _check_prompt(target: Target, prompt_ids: torch.Tensor) -> None:
+def _check_prompt(target: Target, prompt_ids: torch.Tensor, max_context: int | None = None) -> None:
+    limit = target.max_context if max_context is None else max_context
     if prompt_ids.numel() == 0:
         raise EagleLabError("the prompt is empty")
-    if prompt_ids.numel() > target.max_context:
-        raise EagleLabError(
-            f"the prompt has {prompt_ids.numel()} tokens, more than the target's context of {target.max_context}"
-        )
+    if prompt_ids.numel() > limit:
+        raise EagleLabError(f"the prompt has {prompt_ids.numel()} tokens, more than the target's context of {limit}")
+
+
+def _open(target: Target, backend: Backend | None, prompt_ids: torch.Tensor, stopper: Stopper,
+          layer_ids: tuple[int, ...] = ()) -> Scorer:
+    _check_prompt(target, prompt_ids)
+    scorer = (backend or EagerBackend(target)).open(prompt_ids.numel(), stopper.max_new_tokens, layer_ids)
+    _check_prompt(target, prompt_ids, scorer.max_context)
+    return scorer
 
 
 def vanilla_decode(
     target: Target, prompt_ids: torch.Tensor, params: SamplingParams, stopper: Stopper,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, backend: Backend | None = None,
 ) -> Generator[list[int], None, GenerationStats]:
-    """Plain decoding: one target forward per token. prompt_ids: [T]."""
-    _check_prompt(target, prompt_ids)
+    """Plain decoding: one target forward per token. prompt_ids: [T]. backend: eager when None."""
     stats, start = GenerationStats(), time.perf_counter()
-    cache = target.new_cache()
-    features = target.forward(prompt_ids[None], cache).features  # [1, T, H]
-    length = prompt_ids.numel()
+    scorer = _open(target, backend, prompt_ids, stopper)
+    logits = scorer.prefill(prompt_ids).logits[-1]  # [V]
+    first = torch.zeros(1, dtype=torch.long, device=target.device)  # the one scored token is kept
     while True:
         stats.target_forwards += 1
-        token = next_token(target.logits(features[0, -1]), params, generator)
+        token = next_token(logits, params, generator)
         emitted, reason = stopper.accept([token])
         stats.new_tokens += len(emitted)
         yield emitted
-        if not reason and length >= target.max_context:
+        if not reason and scorer.past >= scorer.max_context:
             reason = "context"
         if reason:
             break
-        features = target.forward(torch.tensor([[token]], device=target.device), cache).features  # [1, 1, H]
-        length += 1
+        logits = scorer.score(torch.tensor([token], device=target.device)).logits[0]  # [V]
+        scorer.commit(first)
     stats.stop_reason, stats.wall_s = reason, time.perf_counter() - start
     return stats
 
 
 def speculative_decode(
     target: Target, drafter: Drafter, prompt_ids: torch.Tensor, params: SamplingParams, stopper: Stopper,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, backend: Backend | None = None,
+    observer: RoundObserver | None = None,
 ) -> Generator[list[int], None, GenerationStats]:
     """Draft a tree, score it in one target forward, keep the accepted path. prompt_ids: [T]."""
-    _check_prompt(target, prompt_ids)
     stats, start = GenerationStats(), time.perf_counter()
-    cache = target.new_cache()
-    drafter.reset()
     layer_ids = tuple(getattr(drafter, "feature_layers", ()))  # EAGLE-3 heads read several layers
-    out = target.forward(prompt_ids[None], cache, layer_ids=layer_ids)
-    new_features = _head_features(out)[0]  # [T, F]
+    scorer = _open(target, backend, prompt_ids, stopper, layer_ids)
+    drafter.reset()
+    scored = scorer.prefill(prompt_ids)
+    new_features = scored.head_features  # [T, F]
     stats.target_forwards += 1
-    root = next_token(target.logits(out.features[0, -1]), params, generator)
+    root = next_token(scored.logits[-1], params, generator)
     emitted, reason = stopper.accept([root])
     stats.new_tokens += len(emitted)
     yield emitted
     sequence = torch.cat([prompt_ids, torch.tensor([root], device=prompt_ids.device)])  # [T + 1]
     while not reason:
-        past = sequence.numel() - 1  # the root is not in the target cache yet
-        if past >= target.max_context:
+        if scorer.past >= scorer.max_context:  # the root is not in the target cache yet
             reason = "context"
             break
-        tree = drafter.draft(sequence, new_features, max_depth=target.max_context - 1 - past)
-        out = score_tree(target, tree, cache, past, layer_ids)
+        step = speculative_round(scorer, drafter, sequence, new_features, params, generator, observer)
         stats.target_forwards += 1
-        features = out.features[0]  # [N, H]
-        accepted, bonus = verify(tree, lambda node: target.logits(features[node]), params, generator)  # [L + 1]
-        keep_accepted(cache, past, accepted)
-        new_features = _head_features(out)[0, accepted]  # [L + 1, F]
-        new_tokens = tree.tokens[accepted[1:]].tolist() + [bonus]
-        stats.record_round(tree.max_depth, accepted.numel() - 1, tree.size - 1, *_ngram_counts(tree, accepted))
-        emitted, reason = stopper.accept(new_tokens)
+        new_features = step.new_features  # [L + 1, F]
+        stats.record_round(step.tree.max_depth, step.accepted.numel() - 1, step.tree.size - 1,
+                           *_ngram_counts(step.tree, step.accepted))
+        emitted, reason = stopper.accept(step.new_tokens)
         stats.new_tokens += len(emitted)
         yield emitted
-        sequence = torch.cat([sequence, torch.tensor(new_tokens, device=sequence.device)])
+        sequence = torch.cat([sequence, torch.tensor(step.new_tokens, device=sequence.device)])
     stats.stop_reason, stats.wall_s = reason, time.perf_counter() - start
     return stats
 

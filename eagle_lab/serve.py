@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from eagle_lab.builders import build_decoder, build_drafter, build_head, make_generator, ngram_proposer
 from eagle_lab.config import ServeConfig, to_object
+from eagle_lab.decoding.backend import build_backend, compile_choice
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper
 from eagle_lab.ngram import NgramDrafter
@@ -69,16 +70,17 @@ def validate(cfg: ServeConfig) -> SamplingParams:
         raise EagleLabError(f"method must be eagle, vanilla or ngram, got '{cfg.method}'")
     if cfg.max_new_tokens < 1:
         raise EagleLabError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    compile_choice(cfg.compile)
     ngram_proposer(cfg.ngram)  # checks ngram.* before any work
     return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
 
 
-def make_drafter(cfg: ServeConfig, target):
+def make_drafter(cfg: ServeConfig, target, backend=None):
     """method=eagle: the head's tree (plus n-gram branches when ngram.enabled); method=ngram: n-gram
     drafting alone, no head; method=vanilla: none."""
     if cfg.method == "eagle":
         proposer = ngram_proposer(cfg.ngram) if cfg.ngram.enabled else None
-        return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer)
+        return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer, backend)
     if cfg.method == "ngram":
         return NgramDrafter(ngram_proposer(cfg.ngram))
     return None
@@ -100,12 +102,14 @@ def run(raw: DictConfig) -> None:
     prompts = gather_prompts(cfg)
     target = load_target(cfg.target)
     encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]  # checked before any work
-    drafter = make_drafter(cfg, target)
+    backend = build_backend(target, cfg.compile, cfg.decoding, planned_tokens=len(encoded) * cfg.max_new_tokens)
+    drafter = make_drafter(cfg, target, backend)
     eos = set() if cfg.ignore_eos else target.eos_token_ids
     for index, ids in enumerate(encoded):
         generator = make_generator(cfg.seed, target.device)
         stopper = Stopper(target.tokenizer, cfg.max_new_tokens, eos, cfg.stop)
-        decoder = build_decoder(cfg.method, target, drafter, as_tensor(ids, target.device), params, stopper, generator)
+        decoder = build_decoder(cfg.method, target, drafter, as_tensor(ids, target.device), params, stopper, generator,
+                                backend)
         stream = TextStream(target.tokenizer, cfg.stop, out=sys.stdout if cfg.output == "text" else _NullOut())
         while True:
             try:

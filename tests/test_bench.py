@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle_lab.benchmark.prompt_sets import load_bench_prompts
-from eagle_lab.benchmark.run import METHODS, acceptance_by_depth, cut_hf_output, ngram_share, run_bench
+from eagle_lab.benchmark.run import GREEDY_ONLY, METHODS, acceptance_by_depth, cut_hf_output, ngram_share, run_bench
 from eagle_lab.config import BenchConfig, HeadConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats
@@ -20,11 +20,12 @@ PROMPTS = ["Tell me about the sea.", "def add(a, b):", "Count: one two three fou
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
-    """One in-process bench run: all six methods at T=0 and T=1 on three prompts."""
+    """One in-process bench run: every method at T=0 and T=1 on three prompts, the target compiled
+    (vanilla and the speculative methods on the static compiled path, vanilla_eager beside them)."""
     tmp = tmp_path_factory.mktemp("bench")
     prompts_file = tmp / "prompts.jsonl"
     prompts_file.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n", encoding="utf-8")
-    cfg = ServeConfig(
+    cfg = ServeConfig(compile="true",
         target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
         head=HeadConfig(path="random"),
         tree=TreeConfig(auto=False, depth=4, topk=4, total_tokens=12),  # a fixed tree: eagle must draft here
@@ -51,6 +52,7 @@ def test_bench_writes_results(bench_run, capsys):
     assert saved["summary"] == json.loads(json.dumps(results["summary"]))
     config = saved["config"]
     assert config["target"] == "tiny_llama" and config["head"] == "random" and config["device"] == "cpu"
+    assert config["backend"] == "compiled"
     assert config["tree"] == {"depth": 4, "topk": 4, "total_tokens": 12}  # the shape actually used
     assert config["torch"] and config["transformers"] and config["num_prompts"] == len(PROMPTS)
     assert config["ngram"]["max_tokens"] == 4
@@ -82,8 +84,8 @@ def test_bench_writes_results(bench_run, capsys):
         assert rows["vanilla"]["ngram_share"] is None and rows["hf_greedy"]["ngram_share"] is None
         share = rows["eagle+ngram"]["ngram_share"]
         assert share is None or 0.0 <= share <= 1.0
-    # per-prompt records: 3 prompts x (6 methods at T=0 + 5 at T=1)
-    assert len(saved["records"]) == len(PROMPTS) * 11
+    # per-prompt records: every method at T=0, all but the greedy-only ones at T=1
+    assert len(saved["records"]) == len(PROMPTS) * (2 * len(METHODS) - len(GREEDY_ONLY))
     assert all(len(r["token_ids"]) == 12 for r in saved["records"])
     assert all(r["matches_vanilla"] for r in saved["records"] if r["temperature"] == 0.0)
     table = (out / "results.md").read_text(encoding="utf-8")
@@ -93,14 +95,14 @@ def test_bench_writes_results(bench_run, capsys):
 
 
 def test_bench_refuses_bad_methods(tmp_path):
-    cfg = ServeConfig(target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
+    cfg = ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "medusa"]))
     with pytest.raises(EagleLabError, match="medusa"):
         run_bench(cfg, out_dir=tmp_path)
 
 
 def test_bench_refuses_bad_ngram_settings(tmp_path):
-    cfg = ServeConfig(target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
+    cfg = ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
                       ngram=NgramConfig(min_match=3, max_match=2),
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "ngram"]))
     with pytest.raises(EagleLabError, match="max_match"):
@@ -155,7 +157,7 @@ def test_update_card_records_eagle_tau_per_tree_and_temperature(tmp_path):
     from eagle_lab.card import HeadCard, read_card, write_card
 
     write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
-    cfg = ServeConfig(head=HeadConfig(path=str(tmp_path)), tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4,
+    cfg = ServeConfig(compile="false", head=HeadConfig(path=str(tmp_path)), tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4,
                                                                            total_tokens=12),
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "eagle"], update_card=True))
     summary = {"0.0": {"eagle": {"tau": 1.91234}, "vanilla": {"tau": 1.0}}, "1.0": {"eagle": {"tau": 1.7}}}
@@ -170,7 +172,7 @@ def test_methods_with_tree_presets_run_side_by_side(tmp_path):
     """eagle@cpu and eagle@eagle_gpu in one run: each drafter gets its preset's tree, one vanilla baseline."""
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]) + "\n", encoding="utf-8")
-    cfg = ServeConfig(
+    cfg = ServeConfig(compile="true",
         target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
         head=HeadConfig(path="random"),
         tree=TreeConfig(auto=False, depth=2, topk=2, total_tokens=3),
@@ -194,7 +196,7 @@ def test_methods_with_tree_presets_run_side_by_side(tmp_path):
 @pytest.mark.parametrize("method, message", [("eagle@nope", "unknown tree preset 'nope'.*cpu"),
                                              ("vanilla@cpu", "only eagle, eagle\\+ngram take a tree")])
 def test_bad_tree_presets_are_refused(tmp_path, method, message):
-    cfg = ServeConfig(target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
+    cfg = ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", method]))
     with pytest.raises(EagleLabError, match=message):
         run_bench(cfg, out_dir=tmp_path)
@@ -207,7 +209,7 @@ def test_update_card_keys_each_tree_preset(tmp_path):
     from eagle_lab.card import HeadCard, read_card, write_card
 
     write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
-    cfg = ServeConfig(head=HeadConfig(path=str(tmp_path)), tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4,
+    cfg = ServeConfig(compile="false", head=HeadConfig(path=str(tmp_path)), tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4,
                                                                            total_tokens=12),
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "eagle", "eagle@auto"],
                                         update_card=True))
@@ -225,7 +227,7 @@ def test_interleaved_runs_rotate_the_methods_and_change_no_output(tmp_path, monk
     prompts_file.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n", encoding="utf-8")
 
     def config(interleave: bool) -> ServeConfig:
-        return ServeConfig(target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
+        return ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
                            head=HeadConfig(path="random"), tree=TreeConfig(auto=False, depth=2, topk=2, total_tokens=3),
                            bench=BenchConfig(dataset=str(prompts_file), limit=0, methods=["vanilla", "eagle", "ngram"],
                                              temperatures=[0.0, 1.0], warmup=0, interleave=interleave),

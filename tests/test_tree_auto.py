@@ -96,7 +96,7 @@ def test_timing_in_the_loop_overrules_the_model(tiny_llama, monkeypatch):
     timed = []
 
     def fake_timings(tree_seconds):
-        def timings(target, drafter, prompts, new_tokens, candidates):
+        def timings(target, drafter, prompts, new_tokens, candidates, backend=None):
             timed.append([shape.depth for shape, _ in candidates])
             return [{"tokens": 140, "rounds": 100, "seconds": tree_seconds} if shape.depth else
                     {"tokens": 100, "rounds": 100, "seconds": 1.0} for shape, _ in candidates]
@@ -122,9 +122,9 @@ def test_decode_timings_visit_every_prompt_with_every_candidate_in_rotating_orde
     order = []
     decode = tree_validate.speculative_decode
 
-    def spy(target, drafter, prompt, *args):
+    def spy(target, drafter, prompt, *args, **kwargs):
         order.append((int(prompt[0]), drafter.shape.depth))
-        return decode(target, drafter, prompt, *args)
+        return decode(target, drafter, prompt, *args, **kwargs)
 
     monkeypatch.setattr(tree_validate, "speculative_decode", spy)
     candidates = [(TreeShape(2, 2, 4), None), (TreeShape(1, 1, 1), None)]

@@ -1,7 +1,9 @@
 """`python serve.py mode=bench`: EAGLE against plain decoding and Hugging Face generate.
 
 One process, one target, the same prompts for every method:
-  vanilla           eagle_lab's plain decoding (the baseline: one target forward per token)
+  vanilla           eagle_lab's plain decoding (the baseline: one target forward per token), on the
+                    backend compile= chose (compiled where that is faster): the fastest plain decoding
+  vanilla_eager     the same loop, eager over a dynamic cache (compile=false), reported beside it
   eagle             speculative decoding with the configured head and tree (no n-gram branches)
   eagle+ngram       the same head and tree with n-gram (prompt lookup) branches merged in (ngram.*)
   ngram             n-gram drafting alone, no head, through the same loop and verifier
@@ -38,6 +40,7 @@ from eagle_lab.builders import (SPECULATIVE, build_decoder, build_drafter, build
                                 ngram_proposer, packaged_head_dir)
 from eagle_lab.card import record_mtbench_tau
 from eagle_lab.config import ServeConfig, TreeConfig
+from eagle_lab.decoding.backend import Backend, EagerBackend, build_backend
 from eagle_lab.draft import Drafter, EagleDrafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats, Stopper, generate
@@ -48,7 +51,7 @@ from eagle_lab.target import Target, load_target
 from eagle_lab.tree_search.presets import tree_preset
 
 log = logging.getLogger(__name__)
-METHODS = ("vanilla", "eagle", "eagle+ngram", "ngram", "hf_greedy", "hf_prompt_lookup")
+METHODS = ("vanilla", "vanilla_eager", "eagle", "eagle+ngram", "ngram", "hf_greedy", "hf_prompt_lookup")
 HEAD_METHODS = ("eagle", "eagle+ngram")  # methods that run the head
 HF_METHODS = ("hf_greedy", "hf_prompt_lookup")
 GREEDY_ONLY = ("hf_prompt_lookup",)
@@ -76,6 +79,7 @@ class BenchContext:
     eos: set[int]  # empty when cfg.ignore_eos
     pad_token_id: int
     cache_kwarg: str  # the name `model.generate` takes a cache under
+    backend: Backend | None = None  # how vanilla and the speculative methods run the target (None: eager)
 
 
 def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, Any]:
@@ -90,8 +94,9 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
     run_dir = resolve_run_dir(out_dir)
     target = load_target(cfg.target)
     encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]  # checked before any work
-    drafters = build_drafters(cfg, target)
-    ctx = make_context(cfg, target, drafters)
+    backend = build_backend(target, cfg.compile, cfg.decoding)
+    drafters = build_drafters(cfg, target, backend)
+    ctx = make_context(cfg, target, drafters, backend)
     log.info("bench: %d prompts from %s, methods %s, temperatures %s -> %s", len(prompts), cfg.bench.dataset,
              ", ".join(cfg.bench.methods), ", ".join(map(str, cfg.bench.temperatures)), run_dir)
 
@@ -117,7 +122,7 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
         records.extend(prompt_records(runs, temperature, target.tokenizer, params.greedy))
 
     results = {
-        "config": config_summary(cfg, target, len(prompts), drafters),
+        "config": config_summary(cfg, target, len(prompts), drafters, backend),
         "prompts": [{"index": i, "prompt_tokens": len(ids), "preview": _preview(p)}
                     for i, (p, ids) in enumerate(zip(prompts, encoded))],
         "summary": summary,
@@ -135,7 +140,7 @@ def split_method(method: str) -> tuple[str, str]:
     return base, tree
 
 
-def build_drafters(cfg: ServeConfig, target: Target) -> dict[str, Drafter]:
+def build_drafters(cfg: ServeConfig, target: Target, backend: Backend | None = None) -> dict[str, Drafter]:
     """One drafter per speculative method requested; every head method shares one head
     (under tree=auto each is calibrated, and cached, on its own)."""
     methods = cfg.bench.methods
@@ -145,9 +150,9 @@ def build_drafters(cfg: ServeConfig, target: Target) -> dict[str, Drafter]:
         base, preset = split_method(method)
         tree = tree_preset(preset) if preset else cfg.tree
         if base == "eagle":
-            drafters[method] = build_drafter(head, target, tree)
+            drafters[method] = build_drafter(head, target, tree, backend=backend)
         elif base == "eagle+ngram":
-            drafters[method] = build_drafter(head, target, tree, ngram_proposer(cfg.ngram))
+            drafters[method] = build_drafter(head, target, tree, ngram_proposer(cfg.ngram), backend)
         elif base == "ngram":
             drafters[method] = NgramDrafter(ngram_proposer(cfg.ngram))
     return drafters
@@ -223,7 +228,8 @@ def resolve_run_dir(out_dir: str | Path | None = None) -> Path:
     return path
 
 
-def make_context(cfg: ServeConfig, target: Target, drafters: dict[str, Drafter]) -> BenchContext:
+def make_context(cfg: ServeConfig, target: Target, drafters: dict[str, Drafter],
+                 backend: Backend | None = None) -> BenchContext:
     eos = set() if cfg.ignore_eos else set(target.eos_token_ids)
     pad = target.tokenizer.pad_token_id
     if pad is None:
@@ -232,7 +238,7 @@ def make_context(cfg: ServeConfig, target: Target, drafters: dict[str, Drafter])
         pad = min(target.eos_token_ids, default=0)
     params = inspect.signature(target.model.forward).parameters
     cache_kwarg = "cache" if "cache" in params else "past_key_values"
-    return BenchContext(cfg, target, drafters, eos, int(pad), cache_kwarg)
+    return BenchContext(cfg, target, drafters, eos, int(pad), cache_kwarg, backend)
 
 
 def warm_up(ctx: BenchContext, method: str, encoded: list[list[int]], params: SamplingParams) -> None:
@@ -267,7 +273,7 @@ def run_interleaved(ctx: BenchContext, methods: list[str], encoded: list[list[in
 
 def run_method(ctx: BenchContext, method: str, prompt_ids: list[int], params: SamplingParams) -> Run:
     """Generate for one prompt with one method, timed from the call to the last token."""
-    if method == "vanilla" or split_method(method)[0] in SPECULATIVE:
+    if method in ("vanilla", "vanilla_eager") or split_method(method)[0] in SPECULATIVE:
         return _run_eagle_lab(ctx, method, prompt_ids, params)
     if method in HF_METHODS:
         return _run_hf(ctx, method, prompt_ids, params)
@@ -280,8 +286,10 @@ def _run_eagle_lab(ctx: BenchContext, method: str, prompt_ids: list[int], params
     def decode():
         stopper = Stopper(target.tokenizer, ctx.cfg.max_new_tokens, ctx.eos)
         generator = make_generator(ctx.cfg.seed, target.device)
-        decoder = build_decoder(split_method(method)[0], target, ctx.drafters.get(method), as_tensor(prompt_ids, target.device), params,
-                                stopper, generator)
+        base = split_method(method)[0]
+        backend = EagerBackend(target) if method == "vanilla_eager" else ctx.backend
+        decoder = build_decoder("vanilla" if base == "vanilla_eager" else base, target, ctx.drafters.get(method),
+                                as_tensor(prompt_ids, target.device), params, stopper, generator, backend)
         return generate(decoder)
 
     result, wall = _timed(decode, target.device)
@@ -436,7 +444,7 @@ def prompt_records(runs: dict[str, list[Run]], temperature: float, tokenizer, gr
 
 
 def config_summary(cfg: ServeConfig, target: Target, num_prompts: int,
-                   drafters: dict[str, Drafter] | None = None) -> dict[str, Any]:
+                   drafters: dict[str, Drafter] | None = None, backend: Backend | None = None) -> dict[str, Any]:
     head = cfg.head.path
     if head == "":
         packaged = packaged_head_dir(target.name)
@@ -461,6 +469,7 @@ def config_summary(cfg: ServeConfig, target: Target, num_prompts: int,
         "hybrid": ({"tree": asdict(hybrid.shape), "ngram_tokens": hybrid.ngram.max_tokens if hybrid.ngram else 0}
                    if isinstance(hybrid, EagleDrafter) else None),
         "device": str(device),
+        "backend": getattr(backend, "name", "eager"),  # compiled | static | eager: how vanilla and eagle ran
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                         else platform.processor() or platform.machine()),
         "torch_threads": torch.get_num_threads(),

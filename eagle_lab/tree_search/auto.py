@@ -66,6 +66,17 @@ class TreeSearchConfig:
     validate_new_tokens: int = 128  # per prompt when the best shapes are timed against plain decoding
 
 
+def fit_search(search: TreeSearchConfig, backend) -> TreeSearchConfig:
+    """On a static backend, trees up to its largest bucket: larger ones would each compile a graph of
+    their own, and the recording's candidates do not depend on how many of them are kept."""
+    buckets = getattr(backend, "buckets", None)
+    if not buckets:
+        return search
+    cap = max(buckets)
+    depth, topk, total = search.record_shape
+    return replace(search, totals=[t for t in search.totals if t < cap], record_shape=(depth, topk, min(total, cap - 1)))
+
+
 def row_ms(row: dict, costs: CostModel) -> float:
     """Mean ms per round of a replayed row (costs.row_ms; batch sizes price rows their own way)."""
     return costs.row_ms(row)
@@ -91,11 +102,13 @@ def choose(shapes: list[dict], costs: CostModel, fixed: TreeShape) -> tuple[Tree
 
 
 def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig,
-                 ngram: NgramProposer | None = None) -> str:
+                 ngram: NgramProposer | None = None, backend=None) -> str:
     head = drafter.head
     weights = float(sum(p.detach().float().abs().sum() for p in head.parameters()))
     fields = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
               "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search)}
+    if backend is not None and getattr(backend, "name", "eager") != "eager":  # costs differ per backend
+        fields["backend"] = {"name": backend.name, "buckets": list(getattr(backend, "buckets", []))}
     if ngram is not None:  # only then: summaries cached without n-gram stay valid
         fields["ngram"] = {**asdict(ngram), "lengths": ngram_lengths(ngram), "priced": "timed-ngram-rounds"}
     blob = json.dumps(fields, sort_keys=True, default=str)
@@ -103,21 +116,21 @@ def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig
 
 
 def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], search: TreeSearchConfig,
-              ngram: NgramProposer | None = None) -> dict:
+              ngram: NgramProposer | None = None, backend=None) -> dict:
     """Measure costs and record acceptance; returns the cacheable summary.
     The drafter must have no n-gram proposer attached (every timing is of the head's trees);
     ngram: record its chains and replay them too."""
-    target_ms = measure_target_costs(target, search.context)
+    target_ms = measure_target_costs(target, search.context, backend=backend)
     first_ms, level_ms = measure_draft_costs(drafter, target, search.topks, search.context)
     saved = drafter.shape
     big, small = TreeShape(*search.record_shape), TreeShape(*search.probe_shape)
     drafter.shape = big
     try:
-        recording, big_ms = record(target, drafter, prompts, search.new_tokens, ngram)
+        recording, big_ms = record(target, drafter, prompts, search.new_tokens, ngram, backend)
     finally:
         drafter.shape = saved
-    small_ms = timed_rounds(target, drafter, prompts, search.new_tokens, small)
-    plain_ms = timed_rounds(target, drafter, prompts, search.new_tokens, TreeShape(0, 0, 0))
+    small_ms = timed_rounds(target, drafter, prompts, search.new_tokens, small, backend)
+    plain_ms = timed_rounds(target, drafter, prompts, search.new_tokens, TreeShape(0, 0, 0), backend)
     models = CostModel(target_ms, level_ms, first_ms, 0.0)
     # overhead = measured - modelled, as a line in the tree size through the two timed shapes
     extra_big, extra_small = big_ms - models.model_ms(big), small_ms - models.model_ms(small)
@@ -125,14 +138,15 @@ def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], s
     intercept = max(extra_small - slope * small.total_tokens, 0.0)
     costs = CostModel(target_ms, level_ms, first_ms, intercept, slope, plain_ms, recording.ngram_ms)
     if ngram is not None:
-        costs.ngram_round_ms = timed_ngram_rounds(target, drafter, prompts, search.new_tokens, ngram, costs)
+        costs.ngram_round_ms = timed_ngram_rounds(target, drafter, prompts, search.new_tokens, ngram, costs, backend)
     return {"cost_model": asdict(costs), "rounds": len(recording.rounds),
             "shapes": replay_all(recording, search, ngram_lengths(ngram)),
             "measured_round_ms": {"record": big_ms, "probe": small_ms, "no_draft": plain_ms}}
 
 
 def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
-                search: TreeSearchConfig | None = None, cache_dir: Path | None = None) -> tuple[dict, CostModel, Path]:
+                search: TreeSearchConfig | None = None, cache_dir: Path | None = None,
+                backend=None) -> tuple[dict, CostModel, Path]:
     """The measured summary (shapes with their tau, costs) for this target, head and device:
     read from the cache, else measured once and cached. Returns (summary, cost model, cache file)."""
     search = search or TreeSearchConfig()
@@ -141,7 +155,7 @@ def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts
             values.append(getattr(fixed, name))
     cache_dir = cache_dir or cache_root() / "tree_auto"
     ngram = drafter.ngram
-    path = cache_dir / f"{target.name}-{_fingerprint(target, drafter, search, ngram)}.json"
+    path = cache_dir / f"{target.name}-{_fingerprint(target, drafter, search, ngram, backend)}.json"
     if path.is_file():
         summary = json.loads(path.read_text())
     else:
@@ -149,7 +163,7 @@ def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts
         prompts = prompts if prompts is not None else calibration_prompts(target)
         drafter.ngram = None  # calibrate times the head's trees alone; chains are recorded beside them
         try:
-            summary = calibrate(target, drafter, prompts, search, ngram)
+            summary = calibrate(target, drafter, prompts, search, ngram, backend)
         finally:
             drafter.ngram = ngram
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,21 +183,21 @@ def calibration_prompts(target: Target) -> list[list[int]]:
 
 def validated(target: Target, drafter: EagleDrafter, summary: dict, path: Path, ranked: list[dict], costs: CostModel,
               fixed: TreeShape, prompts: list[list[int]] | None, search: TreeSearchConfig,
-              ngram: NgramProposer | None) -> list[dict]:
+              ngram: NgramProposer | None, backend=None) -> list[dict]:
     """validate()'s ranking for these fixed fields: read from the calibration file, else timed
     once and added to it."""
     key = f"d{fixed.depth}-k{fixed.topk}-n{fixed.total_tokens}"
     done = summary.setdefault("validated", {})
     if key not in done:
         prompts = prompts if prompts is not None else calibration_prompts(target)
-        done[key] = validate(target, drafter, ranked, costs, fixed, prompts, search, ngram)
+        done[key] = validate(target, drafter, ranked, costs, fixed, prompts, search, ngram, backend)
         path.write_text(json.dumps(summary, indent=2))
     return done[key]
 
 
 def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
               search: TreeSearchConfig | None = None, cache_dir: Path | None = None,
-              min_gain: float = 1.0) -> TreeShape:
+              min_gain: float = 1.0, backend=None) -> TreeShape:
     """The fastest shape for this target, head and device (measured once, cached); sets it
     on the drafter. fixed: non-zero fields are kept as given. min_gain: a tree must beat plain
     decoding's timed tokens/s by this factor (validate.measured_best).
@@ -192,10 +206,12 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
     (up to its max_tokens): the drafter's proposer is replaced by one with the chosen length,
     or removed when merging chains does not pay."""
     ngram = drafter.ngram
-    search = search or TreeSearchConfig()
-    summary, costs, path = calibration(target, drafter, fixed, prompts, search, cache_dir)
+    search = fit_search(search or TreeSearchConfig(), backend)
+    if backend is not None and getattr(backend, "buckets", None):
+        drafter.max_tree_tokens = max(backend.buckets)  # n-gram chains cut to fit the largest compiled size
+    summary, costs, path = calibration(target, drafter, fixed, prompts, search, cache_dir, backend)
     _, ranked = choose(summary["shapes"], costs, fixed)
-    measured = validated(target, drafter, summary, path, ranked, costs, fixed, prompts, search, ngram)
+    measured = validated(target, drafter, summary, path, ranked, costs, fixed, prompts, search, ngram, backend)
     best = measured_best(measured, min_gain)
     chosen, chain = TreeShape(**best["shape"]), int(best.get("ngram_tokens", 0))
     plain = next((r for r in measured if is_plain(r)), None)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.decoding.backend import Backend, EagerBackend
 from eagle_lab.generate import Stopper, speculative_decode
 from eagle_lab.ngram import NgramProposer
 from eagle_lab.sampling import SamplingParams
@@ -96,27 +97,34 @@ def timed(fn, reps: int = 3) -> float:
 
 
 @torch.no_grad()
-def measure_target_costs(target: Target, context: int, grid=K_GRID) -> dict[int, float]:
-    from eagle_lab.cache import truncate
-
+def measure_target_costs(target: Target, context: int, grid=K_GRID, backend: Backend | None = None) -> dict[int, float]:
+    """ms to score k tokens (a tree's forward and its logits) after `context` cached ones, through the
+    backend the decoding loop uses (static backends: sizes up to the largest bucket)."""
+    backend = backend or EagerBackend(target)
+    grid = [k for k in grid if k <= largest_tree(backend, max(grid))]
     g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, target.vocab_size, (1, context), generator=g).to(target.device)
-    cache = target.new_cache()
-    target.forward(prefix, cache)
+    prefix = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
+    scorer = backend.open(context, 16)
+    scorer.prefill(prefix)
     costs = {}
     for k in grid:
-        tokens = torch.randint(0, target.vocab_size, (1, k), generator=g).to(target.device)
+        tokens = torch.randint(0, target.vocab_size, (k,), generator=g).to(target.device)
         mask = torch.ones(k, k, dtype=torch.bool, device=target.device).tril()
-        positions = torch.arange(context, context + k, device=target.device)[None]
+        depths = torch.arange(k, device=target.device)
 
         def score():
-            out = target.forward(tokens, cache, positions, mask)
-            target.logits(out.features[0])
-            truncate(cache, context)
+            scorer.score(tokens, depths, mask)
+            scorer.rewind()
 
-        score()  # warm-up
+        score()  # warm-up (and, for a compiled backend, the bucket's compile)
         costs[k] = timed(score)
     return costs
+
+
+def largest_tree(backend: Backend | None, default: int) -> int:
+    """The most nodes a tree may have on this backend: its largest bucket for a static one."""
+    buckets = getattr(backend, "buckets", None)
+    return max(buckets) if buckets else default
 
 
 @torch.no_grad()
@@ -159,14 +167,14 @@ def measure_draft_costs(drafter: EagleDrafter, target: Target, topks, context: i
 
 
 def timed_rounds(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
-                 shape: TreeShape) -> float:
+                 shape: TreeShape, backend: Backend | None = None) -> float:
     """Median ms per round of greedy runs with `shape` (depth 0: the no-draft path)."""
     saved, drafter.shape = drafter.shape, shape
     round_ms: list[float] = []
     try:
         for ids in prompts:
             decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device), SamplingParams(),
-                                         Stopper(target.tokenizer, new_tokens, set()))
+                                         Stopper(target.tokenizer, new_tokens, set()), backend=backend)
             stamps = [time.perf_counter() for _ in decoder]  # the prefill, then one chunk per round
             round_ms += [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
     finally:
@@ -175,7 +183,7 @@ def timed_rounds(target: Target, drafter: EagleDrafter, prompts: list[list[int]]
 
 
 def timed_ngram_rounds(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
-                       ngram: NgramProposer, costs: CostModel) -> float | None:
+                       ngram: NgramProposer, costs: CostModel, backend: Backend | None = None) -> float | None:
     """Median ms an n-gram-only round (no head run, the root plus a chain) costs beyond its target
     forward, target(tree size): proposing, verification, compaction, bookkeeping. None when no
     round of the calibration prompts found a chain."""
@@ -193,7 +201,7 @@ def timed_ngram_rounds(target: Target, drafter: EagleDrafter, prompts: list[list
         for ids in prompts:
             sizes.clear()
             decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device), SamplingParams(),
-                                         Stopper(target.tokenizer, new_tokens, set()))
+                                         Stopper(target.tokenizer, new_tokens, set()), backend=backend)
             stamps = [time.perf_counter() for _ in decoder]  # the prefill, then one chunk per round
             for size, (a, b) in zip(sizes, zip(stamps, stamps[1:])):
                 if size > 1:  # a chain was merged

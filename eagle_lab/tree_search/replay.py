@@ -41,7 +41,7 @@ class Recording:
 
 
 def record(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
-           ngram: NgramProposer | None = None):
+           ngram: NgramProposer | None = None, backend=None):
     """Greedy runs with a large tree; returns (Recording, measured ms per round).
     ngram: also record the chain it proposes each round (not merged: the timing stays the tree's)."""
     rounds: list[tuple[Candidates, int, int]] = []
@@ -63,7 +63,7 @@ def record(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_
         for ids in prompts:
             prompt = torch.tensor(ids, device=target.device)
             decoder = speculative_decode(target, drafter, prompt, SamplingParams(),
-                                         Stopper(target.tokenizer, new_tokens, set()))
+                                         Stopper(target.tokenizer, new_tokens, set()), backend=backend)
             tokens, stamps = [], []
             for chunk in decoder:  # the first chunk is the prefill, then one chunk per round
                 tokens.extend(chunk)

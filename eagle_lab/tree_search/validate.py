@@ -26,7 +26,7 @@ VALIDATE_TOP = 3  # the model's best shapes timed in the decoding loop before on
 
 
 def decode_timings(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
-                   candidates: list[tuple[TreeShape, NgramProposer | None]]) -> list[dict]:
+                   candidates: list[tuple[TreeShape, NgramProposer | None]], backend=None) -> list[dict]:
     """Greedy decoding with each candidate (tree shape, n-gram proposer or None; depth 0 and no
     proposer = the no-draft path): tokens, rounds and seconds summed over the prompts, prefills
     not counted. Each prompt is decoded by every candidate in turn, in an order rotated from one
@@ -39,7 +39,8 @@ def decode_timings(target: Target, drafter: EagleDrafter, prompts: list[list[int
             for c in [(p + i) % len(candidates) for i in range(len(candidates))]:
                 drafter.shape, drafter.ngram = candidates[c]
                 decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device),
-                                             SamplingParams(), Stopper(target.tokenizer, new_tokens, set()))
+                                             SamplingParams(), Stopper(target.tokenizer, new_tokens, set()),
+                                             backend=backend)
                 stamps, tokens = [], 0
                 for i, chunk in enumerate(decoder):  # the prefill's token, then one chunk per round
                     stamps.append(time.perf_counter())
@@ -81,7 +82,8 @@ def measured_best(rows: list[dict], min_gain: float = 1.0) -> dict:
 
 
 def validate(target: Target, drafter: EagleDrafter, ranked: list[dict], costs: CostModel, fixed: TreeShape,
-             prompts: list[list[int]], search: TreeSearchConfig, ngram: NgramProposer | None) -> list[dict]:
+             prompts: list[list[int]], search: TreeSearchConfig, ngram: NgramProposer | None,
+             backend=None) -> list[dict]:
     """The model's best VALIDATE_TOP rows, timed in the decoding loop and re-ranked by measured
     tokens/s (tokens over seconds, as the benchmark measures it), with plain decoding timed in
     the same interleaved runs when the fixed fields allow it. The model prices each part of a
@@ -94,7 +96,7 @@ def validate(target: Target, drafter: EagleDrafter, ranked: list[dict], costs: C
         chain = int(row.get("ngram_tokens", 0))
         proposer = replace(ngram, max_tokens=chain) if ngram is not None and chain else None
         candidates.append((TreeShape(**row["shape"]), proposer))
-    timings = decode_timings(target, drafter, prompts, search.validate_new_tokens, candidates)
+    timings = decode_timings(target, drafter, prompts, search.validate_new_tokens, candidates, backend)
     for row, timing in zip(rows, timings):
         rounds, seconds = max(timing["rounds"], 1), max(timing["seconds"], 1e-9)
         row.update(measured_tokens_per_s=timing["tokens"] / seconds, measured_tau=timing["tokens"] / rounds,

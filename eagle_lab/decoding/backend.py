@@ -1,0 +1,151 @@
+"""Decoding backends: where a sequence's target state lives and how a round's forward runs.
+
+  EagerBackend    Hugging Face DynamicCache, eager forwards (compile=false). Works for every
+                  family and attention kind; the reference the static path is tested against.
+  StaticBackend   one preallocated cache per capacity and a fixed-shape step (compiled.py),
+                  compiled (compile=true) or eager.
+
+`build_backend` turns compile=auto|true|false into one of them (auto: compile where it
+measured faster on this device; the verdict is cached, see compiled.choose).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from eagle_lab.decoding.scoring import DynamicScorer, Scorer, StaticScorer
+from eagle_lab.decoding.static_cache import StaticKVCache
+from eagle_lab.errors import EagleLabError
+from eagle_lab.target import Target
+
+log = logging.getLogger(__name__)
+COMPILE_CHOICES = ("auto", "true", "false")
+SLACK = 128  # tokens a static cache keeps free past the committed length: the largest tree it takes
+
+
+@dataclass
+class DecodingConfig:
+    """How the target runs (the top-level `compile=auto|true|false` says whether it is compiled).
+
+    buckets: tokens per static forward; a round's N tokens run in the smallest bucket >= N, padded,
+    so a few graphs serve every tree size (a larger tree gets the next power of two, compiled then).
+    cache_block: static caches are sized in multiples of this many tokens.
+    compile_min_tokens: compile=auto compiles only when the run will decode at least this many tokens
+    (prompts x max_new_tokens; the server and the bench always qualify): a graph takes 1.5-2.5 min to
+    compile on a 2-core CPU and saves tens of ms per token."""
+
+    buckets: list[int] = field(default_factory=lambda: [4, 8, 16])
+    cache_block: int = 512
+    compile_min_tokens: int = 2048
+
+
+class Backend(Protocol):
+    name: str
+
+    def open(self, prompt_tokens: int, max_new_tokens: int, layer_ids: tuple[int, ...] = ()) -> Scorer: ...
+
+
+class EagerBackend:
+    name = "eager"
+
+    def __init__(self, target: Target):
+        self.target = target
+
+    def open(self, prompt_tokens: int, max_new_tokens: int, layer_ids: tuple[int, ...] = ()) -> Scorer:
+        return DynamicScorer(self.target, layer_ids)
+
+
+class StaticBackend:
+    """Static caches and the fixed-shape target step (compiled or eager) for one target."""
+
+    def __init__(self, target: Target, buckets: list[int], cache_block: int = 512, compiled: bool = False):
+        from eagle_lab.decoding.compiled import StepCompiler
+
+        if not buckets or any(b < 1 for b in buckets):
+            raise EagleLabError(f"decoding.buckets must be positive token counts, got {list(buckets)}")
+        if cache_block < 1:
+            raise EagleLabError(f"decoding.cache_block must be >= 1, got {cache_block}")
+        self.target = target
+        self.buckets = sorted(set(int(b) for b in buckets))
+        self.slack = max(SLACK, self.buckets[-1])  # cache room kept free past the committed length
+        self.cache_block = cache_block
+        self.compiled = compiled
+        self.name = "compiled" if compiled else "static"
+        self._caches: dict[int, StaticKVCache] = {}
+        self._steps = StepCompiler(target, compiled)
+
+    def open(self, prompt_tokens: int, max_new_tokens: int, layer_ids: tuple[int, ...] = ()) -> Scorer:
+        need = prompt_tokens + max_new_tokens + self.slack
+        limit = self.target.max_context + self.slack
+        capacity = -(-min(need, limit) // self.cache_block) * self.cache_block  # round up to a block
+        return StaticScorer(self, capacity, layer_ids)
+
+    def cache_for(self, capacity: int) -> StaticKVCache:
+        """One cache per capacity, reused by every sequence (batch 1 decodes one sequence at a time)."""
+        if capacity not in self._caches:
+            self._caches[capacity] = StaticKVCache(self.target.config, capacity, self.target.device,
+                                                   self.target.dtype)
+        return self._caches[capacity]
+
+    def bucket(self, count: int) -> int:
+        """The forward size for `count` tokens; past the configured buckets, the next power of two."""
+        for size in self.buckets:
+            if size >= count:
+                return size
+        size = 1 << (count - 1).bit_length()
+        if size > self.slack:
+            raise EagleLabError(f"a round of {count} tokens is larger than the static cache's slack ({self.slack}); "
+                                f"put a bucket >= {count} in decoding.buckets")
+        self.buckets.append(size)
+        return size
+
+    def mask(self, allowed: torch.Tensor, past: int, capacity: int) -> torch.Tensor:
+        """allowed: [K, K] bool among the new tokens -> additive [1, 1, K, capacity]: the prefix [0, past)
+        is visible to all, stale entries past past + K are hidden."""
+        k = allowed.shape[0]
+        full = torch.zeros(k, capacity, dtype=torch.bool, device=allowed.device)
+        full[:, :past] = True
+        full[:, past:past + k] = allowed
+        mask = torch.zeros(k, capacity, dtype=self.target.dtype, device=allowed.device)
+        mask.masked_fill_(~full, torch.finfo(self.target.dtype).min)
+        return mask.view(1, 1, k, capacity)
+
+    def forward_eager(self, cache: StaticKVCache, input_ids, positions, mask, layer_ids):
+        """The step without the LM head, eager (prefill): -> hidden [1, T, H], layers [1, T, F] or None."""
+        return self._steps.backbone(cache, input_ids, positions, mask, layer_ids)
+
+    def step(self, cache: StaticKVCache, input_ids, positions, mask, layer_ids):
+        """input_ids, positions: [1, K]; mask [1, 1, K, C] -> hidden [1, K, H], layers or None, logits [1, K, V]."""
+        return self._steps.run(cache, input_ids, positions, mask, tuple(layer_ids))
+
+
+def compile_choice(value) -> str:
+    """compile= as given on the command line (Hydra reads true/false as booleans) -> auto | true | false."""
+    choice = str(value).lower()
+    if choice not in COMPILE_CHOICES:
+        raise EagleLabError(f"compile must be auto, true or false, got '{value}'")
+    return choice
+
+
+def build_backend(target: Target, compile: str, cfg: DecodingConfig, planned_tokens: int | None = None) -> Backend:
+    """planned_tokens: what this run will decode (None: open-ended, e.g. a server or a bench)."""
+    choice = compile_choice(compile)
+    if choice == "false":
+        return EagerBackend(target)
+    from eagle_lab.decoding.compiled import can_compile, choose
+
+    compiled = StaticBackend(target, cfg.buckets, cfg.cache_block, compiled=True)
+    if choice == "true":
+        ok, why = can_compile(target.device)
+        if not ok:
+            raise EagleLabError(f"compile=true, but {why}; use compile=false")
+        return compiled
+    if planned_tokens is not None and planned_tokens < cfg.compile_min_tokens:
+        log.info("compile=auto: eager decoding for %d tokens (compiling pays from about %d; compile=true forces it)",
+                 planned_tokens, cfg.compile_min_tokens)
+        return EagerBackend(target)
+    return choose(target, compiled, EagerBackend(target))

@@ -1,0 +1,165 @@
+"""The target's fixed-shape step, compiled with torch.compile, and compile=auto's choice.
+
+On CPU the step is compiled with inductor's C++ GEMM template over frozen (prepacked)
+weights (`max_autotune`, backends CPP and ATEN, `freezing`): a skinny matmul then runs at
+the memory floor up to a few rows, where eager MKL spends 2-3x longer. On CUDA it is
+compiled with `mode="reduce-overhead"` (captured CUDA graphs). Each (bucket, cache
+capacity) is one graph; the first call of each compiles it and says so with its time.
+
+Inductor's artifacts (autotuning results, generated kernels) go under
+`<cache>/inductor` (`$TORCHINDUCTOR_CACHE_DIR` wins when set), where a later process
+finds them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import time
+
+import torch
+from torch import nn
+
+from eagle_lab.embedded import cache_root
+from eagle_lab.target import Target
+
+log = logging.getLogger(__name__)
+CPU_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
+CHOICE_FILE = "compile_choice.json"
+
+
+def inductor_cache_dir() -> str:
+    """Where inductor keeps its artifacts (set once per process, before the first compile)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # torch writes its default into the environment on first use; only a user's own choice is kept
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def can_compile(device: torch.device) -> tuple[bool, str]:
+    """Whether torch.compile can build kernels here, and why not."""
+    if device.type == "cuda":
+        return True, ""
+    if device.type != "cpu":
+        return False, f"no compiled path for device type '{device.type}'"
+    if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+        return False, "no C++ compiler on PATH (inductor's CPU kernels are C++)"
+    return True, ""
+
+
+class _Step(nn.Module):
+    """backbone + LM head over K tokens after the cached prefix; the unit that is compiled."""
+
+    def __init__(self, target: Target):
+        super().__init__()
+        self.backbone, self.lm_head = target.backbone, target.lm_head
+        self.cache_kwarg = target._cache_kwarg
+
+    def hidden(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
+        out = self.backbone(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                            output_hidden_states=bool(layer_ids), **{self.cache_kwarg: cache})
+        layers = None
+        if layer_ids:
+            layers = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)  # [1, K, n*H]
+        return out.last_hidden_state, layers  # [1, K, H]
+
+    def forward(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
+        hidden, layers = self.hidden(cache, input_ids, positions, mask, layer_ids)
+        return hidden, layers, self.lm_head(hidden).float()  # logits [1, K, V]
+
+
+class StepCompiler:
+    """Runs the step eagerly or through torch.compile; logs each graph's first (compiling) call."""
+
+    def __init__(self, target: Target, compiled: bool):
+        self.target, self.compiled = target, compiled
+        self.module = _Step(target).eval()
+        self._graphs: set[tuple] = set()
+        self._fn = self.module
+        if compiled:
+            inductor_cache_dir()
+            dynamo = torch._dynamo.config
+            for limit in ("recompile_limit", "cache_size_limit"):  # one graph per bucket and capacity
+                if hasattr(dynamo, limit):
+                    setattr(dynamo, limit, max(getattr(dynamo, limit), 64))
+            if target.device.type == "cuda":
+                self._fn = torch.compile(self.module, dynamic=False, mode="reduce-overhead")
+            else:
+                self._fn = torch.compile(self.module, dynamic=False, options=dict(CPU_OPTIONS))
+
+    @torch.no_grad()
+    def backbone(self, cache, input_ids, positions, mask, layer_ids):
+        return self.module.hidden(cache.hf_cache, input_ids, positions, mask, tuple(layer_ids))
+
+    @torch.no_grad()
+    def run(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
+        key = (cache.capacity, input_ids.shape[1], layer_ids)
+        if not self.compiled or key in self._graphs:
+            return self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
+        log.info("compiling the target step for %d tokens over a %d-token cache (first time: minutes on a small "
+                 "CPU; kept in %s for later processes)", key[1], key[0], inductor_cache_dir())
+        start = time.perf_counter()
+        out = self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
+        self._graphs.add(key)
+        log.info("compiled the %d-token step in %.0f s", key[1], time.perf_counter() - start)
+        return out
+
+
+def _choice_key(target: Target) -> str:
+    device = target.device
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    parts = [target.name, str(target.config.model_type), str(target.config.num_hidden_layers),
+             str(target.config.hidden_size), str(target.dtype), device.type, hardware, torch.__version__,
+             str(torch.get_num_threads())]
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _timed_step_ms(backend, context: int, reps: int = 5) -> float:
+    """Median ms of one plain decoding step after `context` cached tokens (first call excluded)."""
+    scorer = backend.open(context, 16)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, backend.target.vocab_size, (context,), generator=generator).to(backend.target.device)
+    scorer.prefill(prompt)
+    token = prompt[-1:]
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        scorer.score(token)
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[reps // 2] * 1000
+
+
+def choose(target: Target, compiled, eager):
+    """compile=auto: the compiled static path where it measured faster than eager here, else eager.
+    The verdict is cached per target, device, dtype, threads and torch version."""
+    ok, why = can_compile(target.device)
+    if not ok:
+        log.info("compile=auto: eager decoding (%s)", why)
+        return eager
+    path = cache_root() / CHOICE_FILE
+    key = _choice_key(target)
+    verdicts = {}
+    if path.is_file():
+        try:
+            verdicts = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            verdicts = {}
+    verdict = verdicts.get(key)
+    if verdict is None:
+        log.info("compile=auto: timing a compiled plain step against an eager one (once for this target and device)")
+        context = min(256, target.max_context // 2)
+        compiled_ms, eager_ms = _timed_step_ms(compiled, context), _timed_step_ms(eager, context)
+        verdict = {"compiled_ms": round(compiled_ms, 2), "eager_ms": round(eager_ms, 2),
+                   "choice": "compiled" if compiled_ms < eager_ms else "eager"}
+        verdicts[key] = verdict
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(verdicts, indent=1))
+    log.info("compile=auto: %s decoding (a plain step timed %.1f ms compiled, %.1f ms eager)", verdict["choice"],
+             verdict["compiled_ms"], verdict["eager_ms"])
+    return compiled if verdict["choice"] == "compiled" else eager
