@@ -22,6 +22,7 @@ import shutil
 import time
 
 import torch
+import torch._inductor.config
 from torch import nn
 
 from eagle_lab.embedded import cache_root
@@ -82,6 +83,7 @@ class StepCompiler:
         self.module = _Step(target).eval()
         self._graphs: set[tuple] = set()
         self._fn = self.module
+        self._settings: dict = {}
         if compiled:
             inductor_cache_dir()
             dynamo = torch._dynamo.config
@@ -91,7 +93,10 @@ class StepCompiler:
             if target.device.type == "cuda":
                 self._fn = torch.compile(self.module, dynamic=False, mode="reduce-overhead")
             else:
-                self._fn = torch.compile(self.module, dynamic=False, options=dict(CPU_OPTIONS))
+                # inductor reads freezing outside torch.compile(options=...): the settings are patched around
+                # each call instead (a recompile may happen on any call)
+                self._fn = torch.compile(self.module, dynamic=False)
+                self._settings = CPU_OPTIONS
 
     @torch.no_grad()
     def backbone(self, cache, input_ids, positions, mask, layer_ids):
@@ -100,8 +105,14 @@ class StepCompiler:
     @torch.no_grad()
     def run(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
         key = (cache.capacity, input_ids.shape[1], layer_ids)
-        if not self.compiled or key in self._graphs:
+        if not self.compiled:
             return self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
+        with torch._inductor.config.patch(self._settings):
+            if key in self._graphs:
+                return self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
+            return self._first_call(key, cache, input_ids, positions, mask, layer_ids)
+
+    def _first_call(self, key, cache, input_ids, positions, mask, layer_ids):
         log.info("compiling the target step for %d tokens over a %d-token cache (first time: minutes on a small "
                  "CPU; kept in %s for later processes)", key[1], key[0], inductor_cache_dir())
         start = time.perf_counter()

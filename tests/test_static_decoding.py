@@ -1,0 +1,132 @@
+"""The static cache and the compiled step change nothing but speed.
+
+Static-cache scoring (eager) must equal the dynamic cache's on every family, through trees,
+padding to a bucket and compaction of a non-contiguous accepted path; decoding with it must
+give the same tokens. The compiled step must give the same tokens as eager, greedy, and
+keep the target's distribution when sampling (chi-square, as tests/test_sampling_lossless.py).
+"""
+
+import pytest
+import torch
+
+from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
+from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.errors import EagleLabError
+from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.head import new_head
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.tree import build_tree
+from tests.conftest import NoisyDrafter, OracleDrafter, small_vocab_target
+from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
+
+GREEDY = SamplingParams()
+
+
+def prompt_for(target, text="The quick brown fox jumps over the lazy dog"):
+    return torch.tensor(target.tokenizer.encode(text))
+
+
+def test_static_scorer_matches_dynamic_through_a_tree_and_compaction(tiny_target):
+    prompt = prompt_for(tiny_target)
+    dynamic = EagerBackend(tiny_target).open(prompt.numel(), 32)
+    static = StaticBackend(tiny_target, buckets=[4, 8], cache_block=64).open(prompt.numel(), 32)
+    first = [scorer.prefill(prompt) for scorer in (dynamic, static)]
+    torch.testing.assert_close(first[1].logits, first[0].logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(first[1].features, first[0].features, atol=1e-4, rtol=1e-4)
+    # root 0 -> children 1, 2; 1 -> 3; 3 -> 4: 5 nodes run in the 8-token bucket (3 padding rows)
+    tree = build_tree(torch.tensor([5, 9, 11, 13, 17]), torch.tensor([-1, 0, 0, 1, 3]))
+    scored = [s.score(tree.tokens, tree.depths, tree.mask) for s in (dynamic, static)]
+    torch.testing.assert_close(scored[1].logits, scored[0].logits, atol=1e-4, rtol=1e-4)
+    accepted = torch.tensor([0, 1, 3])  # not contiguous: node 2 is dropped, 3 moves
+    for scorer in (dynamic, static):
+        scorer.commit(accepted)
+    assert dynamic.past == static.past == prompt.numel() + 3
+    chain = torch.tensor([21, 23])
+    after = [s.score(chain) for s in (dynamic, static)]
+    torch.testing.assert_close(after[1].logits, after[0].logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(after[1].features, after[0].features, atol=1e-4, rtol=1e-4)
+
+
+def test_static_decoding_equals_dynamic_decoding(tiny_target):
+    prompt = prompt_for(tiny_target)
+    backends = {"dynamic": EagerBackend(tiny_target), "static": StaticBackend(tiny_target, [4, 8, 16], 64)}
+    outputs = {}
+    for name, backend in backends.items():
+        plain = generate(vanilla_decode(tiny_target, prompt, GREEDY, Stopper(tiny_target.tokenizer, 40, set()),
+                                        backend=backend))
+        oracle = generate(speculative_decode(tiny_target, OracleDrafter(tiny_target), prompt, GREEDY,
+                                             Stopper(tiny_target.tokenizer, 40, set()), backend=backend))
+        eagle = generate(speculative_decode(tiny_target, EagleDrafter(new_head(tiny_target, seed=1), tiny_target,
+                                                                      TreeShape(3, 2, 6)),
+                                            prompt, GREEDY, Stopper(tiny_target.tokenizer, 40, set()), backend=backend))
+        assert oracle.stats.accept_length > 2  # many-token acceptance: compaction ran
+        outputs[name] = (plain.token_ids, oracle.token_ids, eagle.token_ids)
+        assert plain.token_ids == oracle.token_ids == eagle.token_ids
+    assert outputs["static"] == outputs["dynamic"]
+
+
+def test_static_cache_stops_at_the_context_limit(tiny_llama):
+    backend = StaticBackend(tiny_llama, [4], cache_block=64)
+    prompt = prompt_for(tiny_llama)
+    scorer = backend.open(prompt.numel(), 10_000)
+    limit = scorer.max_context
+    result = generate(vanilla_decode(tiny_llama, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 10_000, set()),
+                                     backend=backend))
+    assert result.stats.stop_reason in ("context", "length") and prompt.numel() + result.stats.new_tokens <= limit + 1
+    too_long = torch.randint(3, 200, (tiny_llama.max_context + 1,))
+    with pytest.raises(EagleLabError, match="more than"):
+        generate(vanilla_decode(tiny_llama, too_long, GREEDY, Stopper(tiny_llama.tokenizer, 4, set()), backend=backend))
+
+
+def test_bad_compile_choice_and_buckets_are_refused(tiny_llama):
+    with pytest.raises(EagleLabError, match="compile must be auto, true or false"):
+        build_backend(tiny_llama, "sometimes", DecodingConfig())
+    with pytest.raises(EagleLabError, match="buckets"):
+        StaticBackend(tiny_llama, [0, 4])
+    assert isinstance(build_backend(tiny_llama, "False", DecodingConfig()), EagerBackend)  # Hydra's boolean, as text
+    # compile=auto with little work ahead stays eager: compiling would cost more than it saves
+    assert isinstance(build_backend(tiny_llama, "auto", DecodingConfig(), planned_tokens=64), EagerBackend)
+
+
+@pytest.mark.slow
+def test_compiled_decoding_equals_eager_greedy(tiny_llama):
+    prompt = prompt_for(tiny_llama)
+    compiled = StaticBackend(tiny_llama, [4, 16], 64, compiled=True)
+    eager = StaticBackend(tiny_llama, [4, 16], 64)
+    runs = {}
+    for name, backend in (("compiled", compiled), ("eager", eager)):
+        drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(3, 3, 8))
+        plain = generate(vanilla_decode(tiny_llama, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 48, set()),
+                                        backend=backend))
+        spec = generate(speculative_decode(tiny_llama, OracleDrafter(tiny_llama, depth=3), prompt, GREEDY,
+                                           Stopper(tiny_llama.tokenizer, 48, set()), backend=backend))
+        head = generate(speculative_decode(tiny_llama, drafter, prompt, GREEDY,
+                                           Stopper(tiny_llama.tokenizer, 48, set()), backend=backend))
+        runs[name] = (plain.token_ids, spec.token_ids, head.token_ids)
+        assert plain.token_ids == spec.token_ids == head.token_ids
+    assert runs["compiled"] == runs["eager"]
+    # logits: compiled against eager on the same cache contents
+    scorers = [b.open(prompt.numel(), 8) for b in (compiled, eager)]
+    for s in scorers:
+        s.prefill(prompt)
+    logits = [s.score(torch.tensor([7, 8, 9])).logits for s in scorers]
+    assert (logits[0] - logits[1]).abs().max() < 1e-3
+
+
+@pytest.mark.slow
+def test_compiled_sampling_matches_target():
+    target = small_vocab_target()
+    backend = StaticBackend(target, [4, 8], 64, compiled=True)
+    params = SamplingParams(temperature=1.0)
+    prompt = torch.tensor([1, 4, 2, 0])
+    length, samples = 3, 3000
+    drafter = NoisyDrafter(target, depth=2, topk=2, noise=1.0, seed=5)
+    g = torch.Generator().manual_seed(11)
+    counts, accepted_any = {}, 0
+    for _ in range(samples):
+        result = generate(speculative_decode(target, drafter, prompt, params, Stopper(target.tokenizer, length, set()),
+                                             g, backend=backend))
+        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+        accepted_any += result.stats.accepted_draft_tokens > 0
+    assert 0.2 * samples < accepted_any < samples
+    assert chi_square_pvalue(counts, exact_sequence_probs(target, prompt, params, length), samples) > ALPHA
