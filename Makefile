@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench train clean
+.PHONY: install demo test test-fast bench train clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -24,8 +24,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
 
+# the edit loop: every test not marked slow
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+# what serve.py runs by default (eagle with n-gram branches, tree=auto) against plain decoding, compiled and eager
 bench: $(STAMP)
-	$(BIN)/python serve.py mode=bench bench.dataset=mt_bench bench.limit=10
+	$(BIN)/python serve.py mode=bench bench.dataset=mt_bench bench.limit=10 'bench.methods=[vanilla,vanilla_eager,eagle+ngram]'
 
 train: $(STAMP)
 	$(BIN)/python train.py

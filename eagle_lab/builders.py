@@ -73,13 +73,13 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
     if not tree.auto:
         if not (tree.depth and tree.topk and tree.total_tokens):
             raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")
-        drafter = EagleDrafter(head, target, fixed, ngram)
+        drafter = EagleDrafter(head, target, fixed, ngram, compiled=getattr(backend, "compiled", False))
         if getattr(backend, "buckets", None) and ngram is not None:  # keep hybrid trees within compiled sizes
             drafter.max_tree_tokens = max(max(backend.buckets), tree.total_tokens + 1)
         return drafter
     from eagle_lab.tree_search.auto import auto_tree
 
-    drafter = EagleDrafter(head, target, TreeShape(4, 4, 12), ngram)
+    drafter = EagleDrafter(head, target, TreeShape(4, 4, 12), ngram, compiled=getattr(backend, "compiled", False))
     auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend)
     return drafter
 

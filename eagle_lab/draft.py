@@ -73,7 +73,8 @@ class Drafter(Protocol):
 
 
 class EagleDrafter:
-    def __init__(self, head: EagleHead, target: Target, shape: TreeShape, ngram: NgramProposer | None = None):
+    def __init__(self, head: EagleHead, target: Target, shape: TreeShape, ngram: NgramProposer | None = None,
+                 compiled: bool = False):
         self.head, self.target, self.shape = head.eval(), target, shape
         self.ngram = ngram  # hybrid drafting: an n-gram chain merged into every tree (None: off)
         self.rotary = target.backbone.rotary_emb
@@ -83,6 +84,11 @@ class EagleDrafter:
         self.last_candidates: Candidates | None = None
         self.feature_layers = tuple(head.arch.feature_layers)  # target layers the head reads
         self.max_tree_tokens = 0  # > 0: n-gram chains are cut so a tree never has more nodes (static buckets)
+        self.parts = None  # the head's matmuls compiled per row bucket (compiled=True)
+        if compiled:
+            from eagle_lab.decoding.compiled import CompiledHeadParts
+
+            self.parts = CompiledHeadParts(self.head, self.lm_weight)
 
     def reset(self) -> None:
         self.cache = HeadKVCache()
@@ -93,11 +99,14 @@ class EagleDrafter:
         """tokens [1, T], features [1, T, F], positions [1, T] -> hidden [1, T, H]."""
         embeds = self.target.embed_tokens(tokens)  # [1, T, H]
         cos, sin = self.rotary(embeds, positions)  # [1, T, D] each
-        return self.head(embeds, features, cos, sin, self.cache, mask, from_draft)
+        return self.head(embeds, features, cos, sin, self.cache, mask, from_draft, self.parts)
 
     def _top_children(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [F, H] -> (log-probs [F, k], target token ids [F, k]) of each node's top-k."""
-        logp = self.head.draft_logits(hidden, self.lm_weight).float().log_softmax(-1)  # [F, Vd]
+        if self.parts is not None:
+            logp = self.parts.log_probs(hidden)  # [F, Vd]
+        else:
+            logp = self.head.draft_logits(hidden, self.lm_weight).float().log_softmax(-1)  # [F, Vd]
         top = logp.topk(k, dim=-1)
         return top.values, self.head.draft_to_target[top.indices]
 

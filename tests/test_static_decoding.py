@@ -130,3 +130,17 @@ def test_compiled_sampling_matches_target():
         accepted_any += result.stats.accepted_draft_tokens > 0
     assert 0.2 * samples < accepted_any < samples
     assert chi_square_pvalue(counts, exact_sequence_probs(target, prompt, params, length), samples) > ALPHA
+
+
+@pytest.mark.slow
+def test_compiled_head_parts_draft_what_the_eager_head_drafts(tiny_llama):
+    head = new_head(tiny_llama, seed=2)
+    eager = EagleDrafter(head, tiny_llama, TreeShape(3, 3, 8))
+    compiled = EagleDrafter(head, tiny_llama, TreeShape(3, 3, 8), compiled=True)
+    prompt = prompt_for(tiny_llama)
+    features = tiny_llama.forward(prompt[None]).features[0]  # [T, H]
+    trees = [d.draft(prompt, features[:-1], max_depth=8) for d in (eager, compiled)]
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
+    hidden = torch.randn(3, tiny_llama.hidden_size)
+    reference = head.draft_logits(hidden, eager.lm_weight).float().log_softmax(-1)
+    torch.testing.assert_close(compiled.parts.log_probs(hidden), reference, atol=1e-4, rtol=1e-4)

@@ -1,9 +1,11 @@
 """Where a speculative round's time goes:
-python -m eagle_lab.benchmark.profile_round [tokens=48] [depth=4 topk=4 total=12].
+python -m eagle_lab.benchmark.profile_round [tokens=96] [depth=4 topk=4 total=12] [compile=true|false]
 
-Times the target forward over the tree, the LM-head rows read by verification, drafting,
-verification bookkeeping and cache compaction, per round, on the embedded default target
-with its packaged head (random head if none), greedy, on one calibration prompt.
+Decodes one calibration prompt greedily on the embedded target with its packaged head (a
+random head if none), plain and speculative, on the same backend, and prints per round: the
+drafting, the scoring forward (target and LM head: one graph when compiled), verification,
+the commit (cache compaction) and everything else, beside one plain step. The phases come
+from the round's observer hook (eagle_lab/decoding/round.py); nothing is patched.
 """
 
 from __future__ import annotations
@@ -14,48 +16,68 @@ from collections import defaultdict
 
 import torch
 
-from eagle_lab import generate as gen
 from eagle_lab.builders import build_head
 from eagle_lab.config import HeadConfig
+from eagle_lab.decoding.backend import DecodingConfig, build_backend
 from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.prompts import encode_prompt
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import TargetConfig, load_target
 from eagle_lab.tree_search.auto import CALIBRATION_PROMPTS
 
+PHASES = {"drafted": "drafting", "scored": "scoring forward (target + LM head)", "verified": "verification",
+          "committed": "commit (cache compaction)"}
 
-def _timed(totals: dict, name: str, fn):
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        result = fn(*args, **kwargs)
-        totals[name] += time.perf_counter() - start
-        return result
 
-    return wrapper
+class PhaseTimes:
+    """A round observer that sums each phase's seconds."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def phase(self, name: str, seconds: float, result) -> None:
+        self.seconds[name] += seconds
 
 
 def main(argv: list[str]) -> None:
     args = dict(a.split("=", 1) for a in argv)
     target = load_target(TargetConfig(device="cpu"))
+    backend = build_backend(target, args.get("compile", "true"), DecodingConfig())
     shape = TreeShape(int(args.get("depth", 4)), int(args.get("topk", 4)), int(args.get("total", 12)))
     drafter = EagleDrafter(build_head(HeadConfig(), target), target, shape)
-    totals: dict[str, float] = defaultdict(float)
-    target.forward = _timed(totals, "target forward (tree)", target.forward)
-    target.logits = _timed(totals, "target LM-head rows", target.logits)
-    drafter.draft = _timed(totals, "drafting", drafter.draft)
-    gen.verify = _timed(totals, "verify (incl. LM-head rows)", gen.verify)
-    gen.keep_accepted = _timed(totals, "cache compaction", gen.keep_accepted)
     prompt = torch.tensor(encode_prompt(target.tokenizer, CALIBRATION_PROMPTS[0], chat=True))
+    tokens = int(args.get("tokens", 96))
+
+    def plain():
+        return generate(vanilla_decode(target, prompt, SamplingParams(), Stopper(target.tokenizer, tokens, set()),
+                                       backend=backend))
+
+    def speculative(observer=None):
+        return generate(speculative_decode(target, drafter, prompt, SamplingParams(),
+                                           Stopper(target.tokenizer, tokens, set()), backend=backend,
+                                           observer=observer))
+
+    plain(), speculative()  # warm-up (and compiles, on a compiled backend)
     start = time.perf_counter()
-    result = gen.generate(gen.speculative_decode(target, drafter, prompt, SamplingParams(),
-                                                 gen.Stopper(target.tokenizer, int(args.get("tokens", 48)), set())))
+    base = plain()
+    plain_ms = 1000 * (time.perf_counter() - start) / max(base.stats.target_forwards, 1)
+    times = PhaseTimes()
+    start = time.perf_counter()
+    result = speculative(times)
     total, rounds = time.perf_counter() - start, max(result.stats.rounds, 1)
-    print(f"{rounds} rounds, tau {result.stats.accept_length:.2f}, {1000 * total / rounds:.1f} ms per round "
-          f"({torch.get_num_threads()} threads), tree {shape}")
-    for name, seconds in totals.items():
-        print(f"  {name:30s} {1000 * seconds / rounds:7.1f} ms")
-    outside = total - sum(v for k, v in totals.items() if k != "target LM-head rows")
-    print(f"  {'everything else':30s} {1000 * outside / rounds:7.1f} ms")
+    round_ms = 1000 * total / rounds
+    print(f"backend {backend.name}, {torch.get_num_threads()} threads, tree {shape}: {rounds} rounds, "
+          f"tau {result.stats.accept_length:.2f}, greedy output {'equal to' if result.token_ids == base.token_ids else 'DIFFERENT from'} plain")
+    print(f"| phase | ms per round |\n|---|---:|")
+    for key, label in PHASES.items():
+        print(f"| {label} | {1000 * times.seconds[key] / rounds:.1f} |")
+    rest = round_ms - 1000 * sum(times.seconds.values()) / rounds
+    print(f"| everything else (stopping, bookkeeping) | {rest:.1f} |")
+    print(f"| **round** | **{round_ms:.1f}** |")
+    print(f"| plain step (same backend, prefill included in the mean) | {plain_ms:.1f} |")
+    print(f"round = {round_ms / plain_ms:.2f} plain steps; {1000 * result.stats.new_tokens / (1000 * total):.1f} tok/s "
+          f"against {1000 / plain_ms:.1f} plain")
 
 
 if __name__ == "__main__":

@@ -94,7 +94,8 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
     run_dir = resolve_run_dir(out_dir)
     target = load_target(cfg.target)
     encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]  # checked before any work
-    backend = build_backend(target, cfg.compile, cfg.decoding)
+    backend = build_backend(target, cfg.compile, cfg.decoding, longest_prompt=max(len(ids) for ids in encoded),
+                            max_new_tokens=cfg.max_new_tokens)
     drafters = build_drafters(cfg, target, backend)
     ctx = make_context(cfg, target, drafters, backend)
     log.info("bench: %d prompts from %s, methods %s, temperatures %s -> %s", len(prompts), cfg.bench.dataset,

@@ -48,6 +48,8 @@ class Backend(Protocol):
 
     def open(self, prompt_tokens: int, max_new_tokens: int, layer_ids: tuple[int, ...] = ()) -> Scorer: ...
 
+    def reserve(self, prompt_tokens: int, max_new_tokens: int) -> None: ...
+
 
 class EagerBackend:
     name = "eager"
@@ -57,6 +59,9 @@ class EagerBackend:
 
     def open(self, prompt_tokens: int, max_new_tokens: int, layer_ids: tuple[int, ...] = ()) -> Scorer:
         return DynamicScorer(self.target, layer_ids)
+
+    def reserve(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Nothing to size: a dynamic cache grows."""
 
 
 class StaticBackend:
@@ -76,13 +81,20 @@ class StaticBackend:
         self.compiled = compiled
         self.name = "compiled" if compiled else "static"
         self._caches: dict[int, StaticKVCache] = {}
+        self.min_capacity = 0  # reserve(): every sequence gets at least this much cache, so one graph serves all
         self._steps = StepCompiler(target, compiled)
 
     def open(self, prompt_tokens: int, max_new_tokens: int, layer_ids: tuple[int, ...] = ()) -> Scorer:
         need = prompt_tokens + max_new_tokens + self.slack
         limit = self.target.max_context + self.slack
         capacity = -(-min(need, limit) // self.cache_block) * self.cache_block  # round up to a block
-        return StaticScorer(self, capacity, layer_ids)
+        return StaticScorer(self, max(capacity, self.min_capacity), layer_ids)
+
+    def reserve(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Size every later sequence's cache for the longest prompt known in advance (a bench, a prompts file):
+        each cache size is a graph of its own, compiled on first use, which must not fall inside a timed run."""
+        need = min(prompt_tokens + max_new_tokens, self.target.max_context) + self.slack
+        self.min_capacity = max(self.min_capacity, -(-need // self.cache_block) * self.cache_block)
 
     def cache_for(self, capacity: int) -> StaticKVCache:
         """One cache per capacity, reused by every sequence (batch 1 decodes one sequence at a time)."""
@@ -131,14 +143,18 @@ def compile_choice(value) -> str:
     return choice
 
 
-def build_backend(target: Target, compile: str, cfg: DecodingConfig, planned_tokens: int | None = None) -> Backend:
-    """planned_tokens: what this run will decode (None: open-ended, e.g. a server or a bench)."""
+def build_backend(target: Target, compile: str, cfg: DecodingConfig, planned_tokens: int | None = None,
+                  longest_prompt: int = 0, max_new_tokens: int = 0) -> Backend:
+    """planned_tokens: what this run will decode (None: open-ended, e.g. a server or a bench).
+    longest_prompt, max_new_tokens: when known up front, every sequence's static cache is sized for them."""
     choice = compile_choice(compile)
     if choice == "false":
         return EagerBackend(target)
     from eagle_lab.decoding.compiled import can_compile, choose
 
     compiled = StaticBackend(target, cfg.buckets, cfg.cache_block, compiled=True)
+    if longest_prompt:
+        compiled.reserve(longest_prompt, max_new_tokens)
     if choice == "true":
         ok, why = can_compile(target.device)
         if not ok:

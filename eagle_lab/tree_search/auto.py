@@ -43,7 +43,7 @@ from eagle_lab.target import Target
 from eagle_lab.tree_search.costs import (CostModel, measure_draft_costs, measure_target_costs, timed_ngram_rounds,
                                          timed_rounds)
 from eagle_lab.tree_search.replay import ngram_lengths, record, replay_all
-from eagle_lab.tree_search.validate import is_plain, measured_best, validate
+from eagle_lab.tree_search.validate import VALIDATE_TOP, is_plain, measured_best, validate
 
 log = logging.getLogger(__name__)
 CALIBRATION_PROMPTS = (
@@ -108,7 +108,8 @@ def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig
     fields = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
               "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search)}
     if backend is not None and getattr(backend, "name", "eager") != "eager":  # costs differ per backend
-        fields["backend"] = {"name": backend.name, "buckets": list(getattr(backend, "buckets", []))}
+        fields["backend"] = {"name": backend.name, "buckets": list(getattr(backend, "buckets", [])),
+                             "compiled_head": drafter.parts is not None}
     if ngram is not None:  # only then: summaries cached without n-gram stay valid
         fields["ngram"] = {**asdict(ngram), "lengths": ngram_lengths(ngram), "priced": "timed-ngram-rounds"}
     blob = json.dumps(fields, sort_keys=True, default=str)
@@ -120,15 +121,21 @@ def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], s
     """Measure costs and record acceptance; returns the cacheable summary.
     The drafter must have no n-gram proposer attached (every timing is of the head's trees);
     ngram: record its chains and replay them too."""
+    steps = 6 if ngram is not None else 5
+    log.info("tree=auto [1/%d]: timing the target's forward for 1-64 scored tokens", steps)
     target_ms = measure_target_costs(target, search.context, backend=backend)
+    log.info("tree=auto [2/%d]: timing the head's draft steps for top-k %s", steps, search.topks)
     first_ms, level_ms = measure_draft_costs(drafter, target, search.topks, search.context)
     saved = drafter.shape
     big, small = TreeShape(*search.record_shape), TreeShape(*search.probe_shape)
     drafter.shape = big
+    log.info("tree=auto [3/%d]: recording %d greedy runs of %d tokens with the largest tree", steps, len(prompts),
+             search.new_tokens)
     try:
         recording, big_ms = record(target, drafter, prompts, search.new_tokens, ngram, backend)
     finally:
         drafter.shape = saved
+    log.info("tree=auto [4/%d]: timing a small tree and the no-draft path", steps)
     small_ms = timed_rounds(target, drafter, prompts, search.new_tokens, small, backend)
     plain_ms = timed_rounds(target, drafter, prompts, search.new_tokens, TreeShape(0, 0, 0), backend)
     models = CostModel(target_ms, level_ms, first_ms, 0.0)
@@ -138,6 +145,7 @@ def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], s
     intercept = max(extra_small - slope * small.total_tokens, 0.0)
     costs = CostModel(target_ms, level_ms, first_ms, intercept, slope, plain_ms, recording.ngram_ms)
     if ngram is not None:
+        log.info("tree=auto [5/%d]: timing n-gram-only rounds", steps)
         costs.ngram_round_ms = timed_ngram_rounds(target, drafter, prompts, search.new_tokens, ngram, costs, backend)
     return {"cost_model": asdict(costs), "rounds": len(recording.rounds),
             "shapes": replay_all(recording, search, ngram_lengths(ngram)),
@@ -159,7 +167,8 @@ def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts
     if path.is_file():
         summary = json.loads(path.read_text())
     else:
-        log.info("tree=auto: measuring costs and acceptance on %s (once; cached in %s)", target.device, path)
+        log.info("tree=auto: measuring costs and acceptance on %s, once (about 3 min on a 2-core CPU, longer when "
+                 "it compiles); cached in %s", target.device, path)
         prompts = prompts if prompts is not None else calibration_prompts(target)
         drafter.ngram = None  # calibrate times the head's trees alone; chains are recorded beside them
         try:
@@ -190,6 +199,8 @@ def validated(target: Target, drafter: EagleDrafter, summary: dict, path: Path, 
     done = summary.setdefault("validated", {})
     if key not in done:
         prompts = prompts if prompts is not None else calibration_prompts(target)
+        log.info("tree=auto [last step]: timing the model's %d best shapes against plain decoding in the loop "
+                 "(%d prompts x %d tokens each)", VALIDATE_TOP, len(prompts), search.validate_new_tokens)
         done[key] = validate(target, drafter, ranked, costs, fixed, prompts, search, ngram, backend)
         path.write_text(json.dumps(summary, indent=2))
     return done[key]
