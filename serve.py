@@ -1,4 +1,8 @@
-"""Generate with a target LLM and an EAGLE draft head: python serve.py prompt="..." [overrides]."""
+"""Generate with a target LLM and an EAGLE draft head: python serve.py prompt="..." [overrides].
+
+This file is only the Hydra entry point (config composition from conf/serve.yaml); what it runs,
+generation, the bench (mode=bench) and the HTTP server (mode=server), is eagle_lab/serve.py.
+"""
 
 import hydra
 from omegaconf import DictConfig

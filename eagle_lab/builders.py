@@ -8,15 +8,18 @@ from pathlib import Path
 import torch
 
 from eagle_lab.card import read_card
-from eagle_lab.config import HeadConfig, NgramConfig, TreeConfig
+from eagle_lab.config import HeadConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
 from eagle_lab.draft import Drafter, EagleDrafter, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, speculative_decode, vanilla_decode
-from eagle_lab.head import EagleHead, load_head, new_head
-from eagle_lab.ngram import NgramProposer
+from eagle_lab.head import EagleHead
+from eagle_lab.head_kinds import new_head
+from eagle_lab.interop import load_head
+from eagle_lab.ngram import NgramDrafter, NgramProposer
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import Target
+from eagle_lab.tree_search.auto import auto_tree
 
 log = logging.getLogger(__name__)
 PACKAGED_HEADS = Path(__file__).parent / "assets" / "heads"
@@ -77,8 +80,6 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
         if getattr(backend, "buckets", None) and ngram is not None:  # keep hybrid trees within compiled sizes
             drafter.max_tree_tokens = max(max(backend.buckets), tree.total_tokens + 1)
         return drafter
-    from eagle_lab.tree_search.auto import auto_tree
-
     drafter = EagleDrafter(head, target, TreeShape(4, 4, 12), ngram, compiled=getattr(backend, "compiled", False))
     auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend)
     return drafter
@@ -91,3 +92,14 @@ def ngram_proposer(cfg: NgramConfig) -> NgramProposer:
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def make_drafter(cfg: ServeConfig, target: Target, backend: Backend | None = None) -> Drafter | None:
+    """method=eagle: the head's tree (plus n-gram branches when ngram.enabled); method=ngram: n-gram
+    drafting alone, no head; method=vanilla: none."""
+    if cfg.method == "eagle":
+        proposer = ngram_proposer(cfg.ngram) if cfg.ngram.enabled else None
+        return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer, backend)
+    if cfg.method == "ngram":
+        return NgramDrafter(ngram_proposer(cfg.ngram))
+    return None

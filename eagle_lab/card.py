@@ -18,15 +18,15 @@ from eagle_lab.errors import EagleLabError
 
 log = logging.getLogger(__name__)
 CARD_NAME = "card.json"
-# Overrides that say how a session ran a job, not what it trains: a run resumed across sessions
-# reproduces without them.
-SESSION_OVERRIDES = ("trainer.resume", "trainer.time_limit_min", "trainer.stop_at")
+# Overrides that control how a run is carried out (resumed, time-boxed), not what it trains: a
+# head trained in several resumed stretches is reproduced without them.
+RUN_CONTROL_OVERRIDES = ("trainer.resume", "trainer.time_limit_min", "trainer.stop_at")
 
 
 def reproducing_command(script: str, overrides: list[str]) -> str:
     """The command line for a head card: `python <script>` and its Hydra overrides, less the
-    session ones (a head resumed over three sessions is reproduced by one plain run)."""
-    kept = [o for o in overrides if o.partition("=")[0].lstrip("+~") not in SESSION_OVERRIDES]
+    run-control ones (a head resumed over three stretches is reproduced by one plain run)."""
+    kept = [o for o in overrides if o.partition("=")[0].lstrip("+~") not in RUN_CONTROL_OVERRIDES]
     return " ".join(["python", script, *map(shlex.quote, kept)])
 
 

@@ -14,6 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from eagle_lab.decoding.backend import DecodingConfig
 from eagle_lab.target import TargetConfig
+from eagle_lab.training.losses import LossConfig
+from eagle_lab.tree_search.space import TreeConfig
 from eagle_lab.training.data import DataConfig
 
 
@@ -28,25 +30,6 @@ class HeadConfig:
     feature_layers: list[int] = field(default_factory=list)  # eagle3: hidden_states indices; [] = (2, L//2, L-3)
     init_layer_from_target: bool = False  # training, eagle2: start the decoder layer from the target's last
     seed: int = 0
-
-
-@dataclass
-class TreeConfig:
-    """auto: measure this device and head, then pick the fastest shape (eagle_lab.tree_search.auto);
-    a non-zero depth / topk / total_tokens is kept as given (all three needed when auto=false)."""
-
-    name: str = ""  # the tree/ config it came from (head cards key MT-bench tau by it)
-    auto: bool = True
-    depth: int = 0
-    topk: int = 0
-    total_tokens: int = 0
-    # tree=auto drafts only where the fastest timed tree beats plain decoding, timed beside it, by
-    # this factor; else it decodes without drafts. min_gain: at batch 1 (serve.py, bench, a lone
-    # server request); batch_min_gain: at the server's batch sizes >= 2, where timings on the few
-    # calibration prompts overrated trees (README "Tree per batch size": +7-10% timed in place,
-    # 8-19% slower than batched vanilla in the concurrency sweep)
-    min_gain: float = 1.0
-    batch_min_gain: float = 1.2
 
 
 @dataclass
@@ -67,7 +50,9 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: ["vanilla", "eagle", "hf_greedy", "hf_prompt_lookup"])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     warmup: int = 1
-    update_card: bool = False  # mt_bench: write eagle's tau per temperature into the head's card.json
+    # mt_bench: write eagle's tau per temperature into the card.json of head.path (the packaged head's card only
+    # when head.path names it)
+    update_card: bool = False
     # each prompt run by every method in turn (order rotated per prompt), so a drift in the machine's
     # speed over the run falls on all methods alike; false: each method runs all prompts in one block
     interleave: bool = True
@@ -84,7 +69,7 @@ class ServerConfig:
     api_key: str = ""  # "" = no key; else clients send "Authorization: Bearer <key>"
     max_batch: int = 8  # sequences decoded at once (one target forward scores all their trees)
     max_queue: int = 64  # requests waiting for a slot; one more is answered 429
-    # tree=auto: a tree per batch size, shrinking as the batch grows (eagle_lab/tree_search/per_batch.py)
+    # tree=auto: a tree per batch size, shrinking as the batch grows (eagle_lab/serving/tree_per_batch.py)
     tree_per_batch: bool = True
 
 
@@ -127,15 +112,6 @@ class OptimConfig:
 
 
 @dataclass
-class LossConfig:
-    reg_weight: float = 1.0  # Smooth-L1 on the predicted feature (EAGLE: 1.0)
-    cls_weight: float = 0.1  # cross-entropy against the target's distribution (EAGLE: 0.1)
-    noise_std: float = 0.05  # std of uniform noise on input features (EAGLE: U(-0.1, 0.1))
-    step_decay: float = 0.8  # weight of unrolled step j is step_decay ** (j - 1) (EAGLE-3)
-    mask_outside_draft_vocab: bool = False  # skip positions whose target token the draft cannot emit
-
-
-@dataclass
 class TrainerConfig:
     features: str = "offline"  # offline (capture shards once, then train) | online
     features_dir: str = ""  # offline shards; "" = <cache>/features/<target>-<data hash>
@@ -157,7 +133,7 @@ class TrainerConfig:
     save_every: int = 200
     keep_checkpoints: int = 2
     resume: bool = False
-    stop_at: int = 0  # stop (checkpointed) after this step in this run, e.g. to time-box a session
+    stop_at: int = 0  # stop (checkpointed) after this step in this run, e.g. to time-box a run
     time_limit_min: float = 0.0  # stop (checkpointed) after this many minutes; 0 = no limit
     group_by_length: bool = True  # batch sequences of similar length (less padding, same epochs)
     cpu_autocast: str = "auto"  # bf16 matmuls when training on CPU: auto (if the CPU has bf16), on, off

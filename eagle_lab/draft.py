@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from eagle_lab.decoding.compiled import CompiledHeadParts
+from eagle_lab.errors import EagleLabError
 from eagle_lab.head import EagleHead, HeadKVCache, draft_lm_head_weight
 from eagle_lab.ngram import NgramProposer, merge_chain
 from eagle_lab.target import Target, tree_attention_mask
@@ -34,15 +36,13 @@ class TreeShape:
     total_tokens: int = 12  # draft tokens kept (root excluded)
 
     def __post_init__(self):
-        from eagle_lab.errors import EagleLabError
-
         if self.depth < 0 or self.topk < 0 or self.total_tokens < 0:
             raise EagleLabError(f"tree needs depth, topk and total_tokens >= 0; got {self}")
 
 
 @dataclass(frozen=True)
 class BatchTree:
-    """The tree for one batch size (eagle_lab/tree_search/per_batch.py): the head's shape and, with hybrid
+    """The tree for one batch size (eagle_lab/serving/tree_per_batch.py): the head's shape and, with hybrid
     drafting, the n-gram chain length merged into it (0: none; None: the drafter's own)."""
 
     shape: TreeShape
@@ -86,8 +86,6 @@ class EagleDrafter:
         self.max_tree_tokens = 0  # > 0: n-gram chains are cut so a tree never has more nodes (static buckets)
         self.parts = None  # the head's matmuls compiled per row bucket (compiled=True)
         if compiled:
-            from eagle_lab.decoding.compiled import CompiledHeadParts
-
             self.parts = CompiledHeadParts(self.head, self.lm_weight)
 
     def reset(self) -> None:

@@ -44,8 +44,6 @@ class Eagle3Head(EagleHead):
 
     @staticmethod
     def default_feature_layers(num_layers: int) -> tuple[int, ...]:
-        from eagle_lab.training.features import eagle3_layer_ids
-
         return eagle3_layer_ids(num_layers)
 
     def init_from_target(self, target) -> None:
@@ -62,3 +60,8 @@ class Eagle3Head(EagleHead):
     def draft_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Its own normalised LM head; the target rows argument is unused."""
         return self.lm_head(self.norm(hidden))
+
+
+def eagle3_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default low, middle and high layers: (2, L // 2, L - 3), as hidden_states indices."""
+    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))

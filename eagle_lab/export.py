@@ -15,8 +15,17 @@ import logging
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+from transformers import AutoConfig
+
+from eagle_lab.card import read_card, write_card
+from eagle_lab.device import _DTYPES
+from eagle_lab.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
+from eagle_lab.interop import export_head, format_kind, load_head, stored_dtype
 from eagle_lab.model_shape import ModelShape
+from eagle_lab.target import SOURCES, TargetConfig
+from eagle_lab.tiny import build_tiny_model
 
 log = logging.getLogger("eagle_lab.export")
 CONF_TARGETS = Path(__file__).resolve().parent.parent / "conf" / "target"
@@ -44,10 +53,6 @@ def parse_args(argv: list[str]) -> dict[str, str]:
 
 
 def _target_from_yaml(path: Path, section: str | None = None):
-    from omegaconf import OmegaConf
-
-    from eagle_lab.target import TargetConfig
-
     raw = OmegaConf.load(path)
     if section is not None:
         raw = raw.get(section)
@@ -90,20 +95,12 @@ class ConfigTarget(ModelShape):
 
 def config_target(cfg) -> ConfigTarget:
     """The target's transformers config; a tiny target is built (milliseconds) for it."""
-    from transformers import AutoConfig
-
-    from eagle_lab.target import SOURCES
-
     if cfg.source not in SOURCES:
         raise EagleLabError(f"unknown target source '{cfg.source}' (choose from {', '.join(SOURCES)})")
     if cfg.source == "tiny":
-        from eagle_lab.tiny import build_tiny_model
-
         return ConfigTarget(build_tiny_model(cfg.tiny).config, cfg.name)
     path = cfg.path
     if cfg.source == "embedded":
-        from eagle_lab.embedded import smollm2_dir
-
         path = str(smollm2_dir())
     if not path:
         raise EagleLabError(f"target '{cfg.name}' has source=pretrained but no path")
@@ -116,9 +113,6 @@ def config_target(cfg) -> ConfigTarget:
 
 
 def export(args: dict[str, str]) -> Path:
-    from eagle_lab.card import read_card, write_card
-    from eagle_lab.device import _DTYPES
-    from eagle_lab.interop import export_head, format_kind, read_head, stored_dtype
 
     format_kind(args["format"])
     head_path = Path(args["head_path"]).expanduser()
@@ -136,7 +130,7 @@ def export(args: dict[str, str]) -> Path:
         cfg = _target_from_yaml(CONF_TARGETS / f"{DEFAULT_TARGET}.yaml")
     target = config_target(cfg)
     try:
-        head = read_head(head_path, target)
+        head = load_head(head_path, target)
     except EagleLabError as exc:
         if not defaulted:
             raise

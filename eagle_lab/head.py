@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from eagle_lab.errors import EagleLabError
@@ -247,42 +247,6 @@ def draft_lm_head_weight(head: EagleHead, target) -> torch.Tensor:
     return weight.index_select(0, head.draft_to_target) if head.reduced_vocab else weight
 
 
-def head_class(kind: str) -> type[EagleHead]:
-    from eagle_lab.eagle3 import Eagle3Head
-
-    classes = {"eagle2": EagleHead, "eagle3": Eagle3Head}
-    if kind not in classes:
-        raise EagleLabError(f"unknown head kind '{kind}' (choose from {', '.join(classes)})")
-    return classes[kind]
-
-
-def new_head(target, kind: str = "eagle2", draft_vocab_ids: torch.Tensor | None = None, seed: int = 0,
-             feature_layers: tuple[int, ...] = (), layer_from_target: bool = False) -> EagleHead:
-    """A freshly initialised head for `target`; feature_layers overrides the kind's default
-    (EAGLE-3: hidden_states indices (2, L//2, L-3)); layer_from_target starts an EAGLE-2
-    head's decoder layer from the target's last layer."""
-    cls = head_class(kind)
-    size = 0 if draft_vocab_ids is None else draft_vocab_ids.numel()
-    layers = tuple(feature_layers) or cls.default_feature_layers(target.num_layers)
-    if kind == "eagle2" and feature_layers:
-        raise EagleLabError("head.feature_layers applies to eagle3 heads only (EAGLE-2 reads the top feature)")
-    bad = [i for i in layers if not 0 <= i <= target.num_layers]
-    if bad:
-        raise EagleLabError(f"head.feature_layers {bad} outside 0..{target.num_layers} for target '{target.name}'")
-    arch = HeadArchitecture.for_target(target, kind=kind, draft_vocab_size=size, feature_layers=layers)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        head = cls(arch)
-    if draft_vocab_ids is not None:
-        head.draft_to_target.copy_(draft_vocab_ids.sort().values)
-    head.init_from_target(target)
-    if layer_from_target:
-        if kind != "eagle2":
-            raise EagleLabError("head.init_layer_from_target applies to eagle2 heads only")
-        head.init_layer_from_target(target)
-    return head.to(device=target.device, dtype=target.dtype)
-
-
 def save_head(head: EagleHead, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
     """config.json + model.safetensors; dtype casts floating weights (bf16 halves a packaged head)."""
     directory = Path(directory)
@@ -294,28 +258,3 @@ def save_head(head: EagleHead, directory: str | Path, dtype: torch.dtype | None 
     (directory / (WEIGHTS_NAME + ".tmp")).replace(directory / WEIGHTS_NAME)
     (directory / (CONFIG_NAME + ".tmp")).replace(directory / CONFIG_NAME)
     return directory
-
-
-def load_head(directory: str | Path, target) -> EagleHead:
-    directory = Path(directory).expanduser()
-    config_file, weights_file = directory / CONFIG_NAME, directory / WEIGHTS_NAME
-    if not directory.is_dir():
-        raise EagleLabError(f"head path '{directory}' does not exist or is not a directory")
-    from eagle_lab.interop import import_published, is_published_layout
-
-    if is_published_layout(directory):  # vLLM/SGLang/EAGLE layout, e.g. a downloaded EAGLE-3 head
-        return import_published(directory, target)
-    if not config_file.is_file() or not weights_file.is_file():
-        raise EagleLabError(f"head path '{directory}' needs {CONFIG_NAME} and {WEIGHTS_NAME}")
-    try:
-        arch = HeadArchitecture(**json.loads(config_file.read_text()))
-    except (json.JSONDecodeError, TypeError) as exc:
-        raise EagleLabError(f"head config {config_file} is not an eagle_lab head config: {exc}") from exc
-    arch.check_matches(target)
-    head = head_class(arch.kind)(arch)
-    try:
-        head.load_state_dict(load_file(str(weights_file)))
-    except (RuntimeError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise EagleLabError(f"head weights {weights_file} do not fit its config: {first}") from exc
-    return head.to(device=target.device, dtype=target.dtype).eval()

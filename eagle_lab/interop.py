@@ -31,7 +31,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle_lab.errors import EagleLabError
-from eagle_lab.head import CONFIG_NAME, WEIGHTS_NAME, EagleHead, HeadArchitecture, head_class, load_head
+from eagle_lab.eagle3 import eagle3_layer_ids
+from eagle_lab.head import CONFIG_NAME, WEIGHTS_NAME, EagleHead, HeadArchitecture
+from eagle_lab.head_kinds import head_class, load_native_head
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,6 @@ def published_config(arch: HeadArchitecture, target_or_config, dtype: torch.dtyp
         if tcfg.get(key) is not None:
             config[key] = tcfg[key]
     if eagle3:
-        from eagle_lab.training.features import eagle3_layer_ids
 
         layers = [int(i) for i in arch.feature_layers]
         if tuple(layers) != tuple(eagle3_layer_ids(int(tcfg.get("num_hidden_layers", 0) or 0))):
@@ -243,7 +244,6 @@ def stored_dtype(directory: str | Path) -> torch.dtype | None:
 
 def _aux_layers(config: dict, num_layers: int) -> list[int]:
     """Fused target layers as hidden_states indices (see the module docstring)."""
-    from eagle_lab.training.features import eagle3_layer_ids
 
     top = config.get(AUX_LAYERS_KEY)
     if isinstance(top, list) and top:
@@ -386,8 +386,9 @@ def _check_rope(config: dict, target, where: str) -> None:
             log.warning("%s: rope_theta %g != target's %g; drafting uses the target's", where, theirs, ours)
 
 
-def read_head(directory: str | Path, target) -> EagleHead:
-    """Our own head directory or a published layout, whichever `directory` holds."""
-    if is_published_layout(directory):
+def load_head(directory: str | Path, target) -> EagleHead:
+    """Our own head directory or a published layout (vLLM / SGLang / EAGLE, e.g. a downloaded EAGLE-3
+    head), whichever `directory` holds."""
+    if Path(directory).expanduser().is_dir() and is_published_layout(directory):
         return import_published(directory, target)
-    return load_head(directory, target)
+    return load_native_head(directory, target)

@@ -1,4 +1,5 @@
-"""`python serve.py`: generate with a target and an EAGLE head, streamed or as JSON."""
+"""What `python serve.py` runs (the top-level serve.py only composes the Hydra config): generate with a
+target and an EAGLE head, streamed or as JSON; mode=bench and mode=server hand over to their modules."""
 
 from __future__ import annotations
 
@@ -8,49 +9,19 @@ import sys
 
 from omegaconf import DictConfig
 
-from eagle_lab.builders import build_decoder, build_drafter, build_head, make_generator, ngram_proposer
+from eagle_lab.benchmark.run import run_bench
+from eagle_lab.builders import build_decoder, make_drafter, make_generator, ngram_proposer
 from eagle_lab.config import ServeConfig, to_object
 from eagle_lab.decoding.backend import build_backend, compile_choice
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper
-from eagle_lab.ngram import NgramDrafter
 from eagle_lab.prompts import as_tensor, encode_prompt, read_prompts_file
 from eagle_lab.sampling import SamplingParams
+from eagle_lab.serving.server import run_server
 from eagle_lab.target import load_target
+from eagle_lab.text_stream import NullOut, TextStream
 
 log = logging.getLogger(__name__)
-
-
-class TextStream:
-    """Prints decoded text as tokens arrive, holding back what a stop string may still cut."""
-
-    def __init__(self, tokenizer, stop: list[str], out=sys.stdout):
-        self.tokenizer, self.stop, self.out = tokenizer, [s for s in stop if s], out
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.printed = 0
-
-    def text(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cuts = [text.find(s) for s in self.stop if s in text]
-        return text[: min(cuts)] if cuts else text
-
-    def push(self, tokens: list[int]) -> None:
-        self.ids.extend(tokens)
-        text = self.text()
-        upto = len(text) - self.hold
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-            upto = min(upto, len(text) - 1)
-        if upto > self.printed:
-            self.out.write(text[self.printed: upto])
-            self.out.flush()
-            self.printed = upto
-
-    def finish(self) -> str:
-        text = self.text()
-        self.out.write(text[self.printed:] + "\n")
-        self.out.flush()
-        return text
 
 
 def gather_prompts(cfg: ServeConfig) -> list:
@@ -75,28 +46,13 @@ def validate(cfg: ServeConfig) -> SamplingParams:
     return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
 
 
-def make_drafter(cfg: ServeConfig, target, backend=None):
-    """method=eagle: the head's tree (plus n-gram branches when ngram.enabled); method=ngram: n-gram
-    drafting alone, no head; method=vanilla: none."""
-    if cfg.method == "eagle":
-        proposer = ngram_proposer(cfg.ngram) if cfg.ngram.enabled else None
-        return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer, backend)
-    if cfg.method == "ngram":
-        return NgramDrafter(ngram_proposer(cfg.ngram))
-    return None
-
-
 def run(raw: DictConfig) -> None:
     cfg: ServeConfig = to_object(raw, ServeConfig)
     params = validate(cfg)
     if cfg.mode == "bench":
-        from eagle_lab.benchmark.run import run_bench
-
         run_bench(cfg)
         return
     if cfg.mode == "server":  # OpenAI-compatible HTTP server (eagle_lab/serving/)
-        from eagle_lab.serving.server import run_server
-
         run_server(cfg)
         return
     prompts = gather_prompts(cfg)
@@ -111,7 +67,7 @@ def run(raw: DictConfig) -> None:
         stopper = Stopper(target.tokenizer, cfg.max_new_tokens, eos, cfg.stop)
         decoder = build_decoder(cfg.method, target, drafter, as_tensor(ids, target.device), params, stopper, generator,
                                 backend)
-        stream = TextStream(target.tokenizer, cfg.stop, out=sys.stdout if cfg.output == "text" else _NullOut())
+        stream = TextStream(target.tokenizer, cfg.stop, out=sys.stdout if cfg.output == "text" else NullOut())
         while True:
             try:
                 stream.push(next(decoder))
@@ -135,11 +91,3 @@ def run(raw: DictConfig) -> None:
                  stats.new_tokens, stats.wall_s, stats.new_tokens / max(stats.wall_s, 1e-9),
                  stats.target_forwards, stats.accept_length, stats.stop_reason,
                  f", n-gram share of accepted drafts {stats.ngram_share:.2f}" if stats.ngram_tree_tokens else "")
-
-
-class _NullOut:
-    def write(self, _text: str) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass

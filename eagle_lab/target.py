@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from eagle_lab.device import resolve_device, resolve_dtype
+from eagle_lab.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
 from eagle_lab.model_shape import ModelShape
 from eagle_lab.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
@@ -143,8 +144,6 @@ def load_target(cfg: TargetConfig) -> Target:
     else:
         path = cfg.path
         if cfg.source == "embedded":
-            from eagle_lab.embedded import smollm2_dir
-
             path = str(smollm2_dir())
         if not path:
             raise EagleLabError(f"target '{cfg.name}' has source=pretrained but no target.path")

@@ -251,3 +251,17 @@ def test_interleaved_runs_rotate_the_methods_and_change_no_output(tmp_path, monk
         return [(r["temperature"], r["method"], r["prompt_index"], r["token_ids"]) for r in results["records"]]
 
     assert sorted(tokens(interleaved)) == sorted(tokens(blocks))
+
+
+def test_update_card_leaves_the_packaged_card_alone_unless_named(tmp_path):
+    from types import SimpleNamespace
+
+    from eagle_lab.benchmark.run import update_card
+    from eagle_lab.builders import packaged_head_dir
+
+    card = packaged_head_dir("smollm2_135m") / "card.json"
+    before = card.read_bytes()
+    cfg = ServeConfig(compile="false", tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4, total_tokens=12),
+                      bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "eagle"], update_card=True))
+    update_card(cfg, SimpleNamespace(name="smollm2_135m"), {"0.0": {"eagle": {"tau": 9.0}}}, 80)
+    assert card.read_bytes() == before

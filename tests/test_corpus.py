@@ -66,7 +66,7 @@ def test_capture_resumes_only_missing_shards_and_adds_layers_later(target, tmp_p
     split = make_split(tmp_path, convs)
     capture_split(target, split, 12, tokenizer_of(target), counts(target, convs))
     kept = split.shard_file(0).stat().st_mtime_ns
-    split.shard_file(1).unlink()  # lost between sessions
+    split.shard_file(1).unlink()  # lost between runs
     capture_split(target, split, 12, tokenizer_of(target), counts(target, convs))
     assert split.shard_file(1).exists() and split.shard_file(0).stat().st_mtime_ns == kept
     capture_split(target, split, 12, tokenizer_of(target), counts(target, convs), layer_ids=LAYERS)
@@ -164,7 +164,7 @@ def test_head_card_round_trip_and_mtbench_tau(tmp_path):
         read_card(tmp_path)
 
 
-def test_card_command_leaves_out_how_the_sessions_ran_the_job():
+def test_card_command_leaves_out_run_control_overrides():
     from eagle_lab.card import reproducing_command
 
     overrides = ["experiment=sharegpt_scale", "name=scale-all", "trainer.resume=true",

@@ -4,7 +4,9 @@ import torch
 
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head import load_head, new_head, save_head
+from eagle_lab.head import save_head
+from eagle_lab.head_kinds import new_head
+from eagle_lab.interop import load_head
 from eagle_lab.sampling import SamplingParams
 from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
 from tests.conftest import small_vocab_target

@@ -5,7 +5,7 @@ import torch
 
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head import new_head
+from eagle_lab.head_kinds import new_head
 from eagle_lab.ngram import NgramDrafter, NgramProposer
 from eagle_lab.sampling import SamplingParams
 from tests.conftest import OracleDrafter, small_vocab_target

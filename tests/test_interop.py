@@ -19,8 +19,9 @@ from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.eagle3 import Eagle3Head
 from eagle_lab.errors import EagleLabError
 from eagle_lab.export import main as export_main
-from eagle_lab.head import EagleHead, HeadArchitecture, new_head, save_head
-from eagle_lab.interop import export_head, import_published, is_published_layout, read_head
+from eagle_lab.head import EagleHead, HeadArchitecture, save_head
+from eagle_lab.head_kinds import new_head
+from eagle_lab.interop import export_head, import_published, is_published_layout, load_head
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,7 +115,7 @@ def test_export_eagle2_layout_and_round_trip(tiny_target, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 1
     assert "draft_vocab_size" not in config  # EAGLE-1/2 draft over the full vocabulary
-    imported = read_head(out, tiny_target)
+    imported = load_head(out, tiny_target)
     assert type(imported) is EagleHead
     assert_same_head(head, imported)
     assert drafts(imported, tiny_target) == drafts(head, tiny_target)

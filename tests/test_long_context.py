@@ -12,7 +12,7 @@ import torch
 
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head import new_head
+from eagle_lab.head_kinds import new_head
 from eagle_lab.sampling import SamplingParams
 
 

@@ -153,7 +153,7 @@ def test_speculative_sampling_matches_target(params):
 def test_eagle_drafter_sampling_matches_target():
     """The real EAGLE drafter (random head: on 5 tokens it is right often enough)."""
     from eagle_lab.draft import EagleDrafter, TreeShape
-    from eagle_lab.head import new_head
+    from eagle_lab.head_kinds import new_head
 
     target = small_vocab_target()
     params = SamplingParams(temperature=0.9)
@@ -261,7 +261,7 @@ def ngram_loop_counts(kind: str, samples: int):
     """Whole loop on a prompt that repeats itself: the head's tree with n-gram branches
     (eagle+ngram), or n-gram drafting alone. Returns (sequence counts, n-gram tokens accepted)."""
     from eagle_lab.draft import EagleDrafter, TreeShape
-    from eagle_lab.head import new_head
+    from eagle_lab.head_kinds import new_head
 
     target = small_vocab_target()
     proposer = NgramProposer(min_match=1, max_match=3, max_tokens=3)

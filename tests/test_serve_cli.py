@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle_lab.head import new_head, save_head
+from eagle_lab.head import save_head
+from eagle_lab.head_kinds import new_head
 from eagle_lab.target import TargetConfig, load_target
 from eagle_lab.tiny import TinyModelConfig
 

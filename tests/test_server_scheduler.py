@@ -12,7 +12,7 @@ import torch
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, speculative_decode
-from eagle_lab.head import new_head
+from eagle_lab.head_kinds import new_head
 from eagle_lab.ngram import NgramDrafter, NgramProposer
 from eagle_lab.prompts import as_tensor, encode_prompt
 from eagle_lab.sampling import SamplingParams

@@ -13,7 +13,7 @@ from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBacke
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head import new_head
+from eagle_lab.head_kinds import new_head
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.tree import build_tree
 from tests.conftest import NoisyDrafter, OracleDrafter, small_vocab_target

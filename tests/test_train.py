@@ -17,7 +17,7 @@ from eagle_lab.config import ServeConfig, TrainConfig, register_configs, to_obje
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head import load_head
+from eagle_lab.interop import load_head
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import TargetConfig, load_target
 
@@ -220,7 +220,7 @@ def test_eagle3_smoke_trains_end_to_end(tmp_path):
 
 
 def test_head_layer_can_start_from_the_targets_last_layer(tiny_target):
-    from eagle_lab.head import new_head
+    from eagle_lab.head_kinds import new_head
 
     head = new_head(tiny_target, layer_from_target=True)
     last = tiny_target.backbone.layers[-1]

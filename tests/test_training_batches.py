@@ -9,7 +9,8 @@ import torch
 
 from eagle_lab.config import LossConfig, TrainConfig
 from eagle_lab.errors import EagleLabError
-from eagle_lab.head import draft_lm_head_weight, new_head
+from eagle_lab.head import draft_lm_head_weight
+from eagle_lab.head_kinds import new_head
 from eagle_lab.target import TargetConfig, load_target
 from eagle_lab.training.features import Example, greedy_tokens
 from eagle_lab.training.losses import training_loss

@@ -1,4 +1,4 @@
-"""A tree per batch size (eagle_lab/tree_search/per_batch.py): priced from batch costs, it shrinks as the
+"""A tree per batch size (eagle_lab/serving/tree_per_batch.py): priced from batch costs, it shrinks as the
 batch grows down to plain decoding, and switching trees between rounds keeps outputs exact."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from eagle_lab.draft import BatchTree, EagleDrafter, TreeShape
 from eagle_lab.generate import Stopper, generate, speculative_decode
-from eagle_lab.head import new_head
+from eagle_lab.head_kinds import new_head
 from eagle_lab.ngram import NgramProposer
 from eagle_lab.prompts import as_tensor, encode_prompt
 from eagle_lab.sampling import SamplingParams
@@ -18,7 +18,7 @@ from eagle_lab.serving.sequence import Sequence
 from eagle_lab.serving.timed_batch import timed_batch_decoding
 from eagle_lab.tree_search.validate import measured_best
 from eagle_lab.tree_search.costs import CostModel
-from eagle_lab.tree_search.per_batch import (BatchCostModel, choose_per_batch, expected_widest, interpolate,
+from eagle_lab.serving.tree_per_batch import (BatchCostModel, choose_per_batch, expected_widest, interpolate,
                                              measure_batched_forward, measured_choice, probe_drafting, ranked_per_batch,
                                              validate_per_batch)
 from tests.serving_helpers import TINY, serve_config
@@ -129,6 +129,10 @@ def test_timed_batch_decoding_runs_the_batched_round(tiny_llama):
     assert plain["rounds"] == 7 and plain["tokens"] == 3 * 7 and plain["seconds"] > 0  # one token per row a round
     tree = timed_batch_decoding(tiny_llama, prototype, prompts, BatchTree(TreeShape(2, 2, 4)), new_tokens=8)
     assert 1 <= tree["rounds"] <= 7 and tree["tokens"] >= 3 * tree["rounds"]
+    # token for token: every row of the timed tree rounds continues the plain rows' greedy output
+    for with_tree, without in zip(tree["outputs"], plain["outputs"]):
+        common = min(len(with_tree), len(without))
+        assert common >= 1 + tree["rounds"] and with_tree[:common] == without[:common]
 
 
 def test_measured_choice_uses_the_next_timed_size_up():
@@ -179,8 +183,9 @@ def test_trees_per_batch_times_once_and_reads_the_timings_back(tiny_llama, tmp_p
     import json
 
     import eagle_lab.serving.timed_batch as timed_batch
-    from eagle_lab.tree_search.auto import TreeSearchConfig, auto_tree
-    from eagle_lab.tree_search.per_batch import trees_per_batch
+    from eagle_lab.tree_search.auto import auto_tree
+    from eagle_lab.tree_search.space import TreeSearchConfig
+    from eagle_lab.serving.tree_per_batch import trees_per_batch
 
     monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path))
     search = TreeSearchConfig(depths=[1, 2], topks=[1, 2], totals=[1, 2, 4], record_shape=(2, 2, 4),

@@ -36,6 +36,7 @@ import transformers
 
 from eagle_lab.benchmark.prompt_sets import Prompt, load_bench_prompts
 from eagle_lab.benchmark.report import REFERENCE, write_outputs
+from eagle_lab.benchmark.sweep import run_sweep
 from eagle_lab.builders import (SPECULATIVE, build_decoder, build_drafter, build_head, make_generator,
                                 ngram_proposer, packaged_head_dir)
 from eagle_lab.card import record_mtbench_tau
@@ -86,8 +87,6 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
     """Run every method at every temperature; write results.json, results.md, bench.png; print the table.
     With bench.concurrency set: the batched server's concurrency sweep instead (eagle_lab/benchmark/sweep.py)."""
     if cfg.bench.concurrency:
-        from eagle_lab.benchmark.sweep import run_sweep
-
         return run_sweep(cfg, resolve_run_dir(out_dir))
     validate_bench(cfg)
     prompts = load_bench_prompts(cfg.bench.dataset, cfg.bench.limit)
@@ -165,8 +164,13 @@ def tree_label(tree: TreeConfig) -> str:
 
 
 def update_card(cfg: ServeConfig, target: Target, summary: dict[str, dict[str, Any]], prompts: int) -> None:
-    """bench.update_card: eagle's measured MT-bench tau -> the head's card.json."""
-    head = cfg.head.path or str(packaged_head_dir(target.name) or "")
+    """bench.update_card: eagle's measured MT-bench tau -> the head's card.json. The packaged head's card
+    (tracked in the repository) is written only when head.path names its directory explicitly."""
+    if not cfg.head.path:
+        log.warning("bench.update_card: not rewriting the packaged head's card with this machine's figures; pass "
+                    "head.path=%s to do so on purpose", packaged_head_dir(target.name) or "DIR")
+        return
+    head = cfg.head.path
     eagle = [m for m in cfg.bench.methods if split_method(m)[0] == "eagle"]
     if cfg.bench.dataset != "mt_bench" or not head or not eagle:
         log.warning("bench.update_card needs bench.dataset=mt_bench, the eagle method and a head directory")

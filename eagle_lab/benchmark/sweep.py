@@ -7,7 +7,7 @@ client sending its next prompt when its last one finished. Reported per (method,
   total tokens/s   all new tokens / wall time of the level
   latency p50/p95  per request, from submission to its last token
   batch sizes      rounds scored at each batch size (how full the batch really was)
-  tree             the tree each batch size drafts (tree=auto: from eagle_lab/tree_search/per_batch.py)
+  tree             the tree each batch size drafts (tree=auto: from eagle_lab/serving/tree_per_batch.py)
   greedy mismatch  at T=0, requests whose tokens differ from the same method at c = 1 and
                    from vanilla at c = 1 (batching is lossless: both must be 0)
 Results go to sweep.json, sweep.md and sweep.png in the run directory.
@@ -25,11 +25,18 @@ from typing import Any
 import numpy as np
 
 from eagle_lab.benchmark.prompt_sets import load_bench_prompts
+from eagle_lab.benchmark.report import write_sweep
+from eagle_lab.builders import make_drafter
 from eagle_lab.config import ServeConfig
 from eagle_lab.draft import EagleDrafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.prompts import encode_prompt
 from eagle_lab.sampling import SamplingParams
+from eagle_lab.serving.batching import BatchScheduler
+from eagle_lab.serving.drafters import drafter_factory
+from eagle_lab.serving.engine import Engine, Finished, Plan
+from eagle_lab.serving.scheduler import Job
+from eagle_lab.serving.server import batch_trees
 from eagle_lab.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -55,7 +62,6 @@ def validate_sweep(cfg: ServeConfig) -> list[str]:
 
 
 def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
-    from eagle_lab.benchmark.report import write_sweep
 
     methods = validate_sweep(cfg)
     prompts = load_bench_prompts(cfg.bench.dataset, cfg.bench.limit)
@@ -99,11 +105,6 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
 
 def _engine(cfg: ServeConfig, method: str, target: Target, max_batch: int):
     """The server's engine for `method`, and its tree per batch size ({batch: shape dict or 'plain'})."""
-    from eagle_lab.serve import make_drafter
-    from eagle_lab.serving.drafters import drafter_factory
-    from eagle_lab.serving.engine import Engine
-    from eagle_lab.serving.server import batch_trees
-
     method_cfg = replace(cfg, method=method, server=replace(cfg.server, max_batch=max_batch))
     prototype = make_drafter(method_cfg, target)
     trees = batch_trees(method_cfg, target, prototype)
@@ -130,10 +131,6 @@ def tree_label(batch_trees: dict, batch: int) -> str:
 def run_level(engine, target: Target, batch_trees: dict, encoded: list[list[int]], params: SamplingParams,
               cfg: ServeConfig, level: int) -> dict[str, Any]:
     """All prompts through a fresh BatchScheduler (max_batch = level) from `level` closed-loop clients."""
-    from eagle_lab.serving.batching import BatchScheduler
-    from eagle_lab.serving.engine import Finished, Plan
-    from eagle_lab.serving.scheduler import Job
-
     scheduler = BatchScheduler(level, len(encoded) + level, target, batch_trees["trees"])
     plans = [Plan(ids, params, cfg.max_new_tokens, [], cfg.ignore_eos, cfg.seed) for ids in encoded]
     outputs: list[list[int] | None] = [None] * len(plans)

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from eagle_lab.decoding.compiled import StepCompiler, can_compile, choose
 from eagle_lab.decoding.scoring import DynamicScorer, Scorer, StaticScorer
 from eagle_lab.decoding.static_cache import StaticKVCache
 from eagle_lab.errors import EagleLabError
@@ -68,8 +69,6 @@ class StaticBackend:
     """Static caches and the fixed-shape target step (compiled or eager) for one target."""
 
     def __init__(self, target: Target, buckets: list[int], cache_block: int = 512, compiled: bool = False):
-        from eagle_lab.decoding.compiled import StepCompiler
-
         if not buckets or any(b < 1 for b in buckets):
             raise EagleLabError(f"decoding.buckets must be positive token counts, got {list(buckets)}")
         if cache_block < 1:
@@ -150,8 +149,6 @@ def build_backend(target: Target, compile: str, cfg: DecodingConfig, planned_tok
     choice = compile_choice(compile)
     if choice == "false":
         return EagerBackend(target)
-    from eagle_lab.decoding.compiled import can_compile, choose
-
     compiled = StaticBackend(target, cfg.buckets, cfg.cache_block, compiled=True)
     if longest_prompt:
         compiled.reserve(longest_prompt, max_new_tokens)

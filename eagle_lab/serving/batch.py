@@ -30,12 +30,16 @@ row at the same positions).
 
 from __future__ import annotations
 
+import statistics
+import sys
+import time
+
 import torch
 
 from eagle_lab.generate import _head_features
 from eagle_lab.serving.sequence import Scored, Sequence
-from eagle_lab.target import Target
-from eagle_lab.tree import DraftTree
+from eagle_lab.target import Target, TargetConfig, load_target
+from eagle_lab.tree import DraftTree, build_tree
 
 
 def padded_mask(pasts: list[int], trees: list[DraftTree], dtype: torch.dtype,
@@ -140,11 +144,6 @@ def time_gather_and_forward(target: Target, batch: int, past: int, nodes: int, r
     and scattering back would pay it and as much again every round), of the in-place compaction
     a kept batch pays every round, and of the forward, for `batch` rows of `past` cached tokens
     scoring `nodes`-token chains (the comparison the module docstring makes)."""
-    import statistics
-    import time
-
-    from eagle_lab.tree import build_tree
-
     g = torch.Generator().manual_seed(0)
     cache = target.new_cache()
     target.forward(torch.randint(0, target.vocab_size, (1, past), generator=g).to(target.device), cache)
@@ -171,10 +170,6 @@ def time_gather_and_forward(target: Target, batch: int, past: int, nodes: int, r
 
 
 if __name__ == "__main__":  # python -m eagle_lab.serving.batch [target] : the copies vs the forward
-    import sys
-
-    from eagle_lab.target import TargetConfig, load_target
-
     loaded = load_target(TargetConfig(name=sys.argv[1] if len(sys.argv) > 1 else "smollm2_135m",
                                       source="tiny" if len(sys.argv) > 1 and "tiny" in sys.argv[1] else "embedded"))
     for b, p, n in ((2, 256, 13), (4, 256, 13), (8, 256, 13), (8, 1024, 13), (8, 256, 1)):

@@ -4,25 +4,30 @@
 
 For B = 1, 2, 4, 8 sequences of about `past` committed tokens (ragged by a few), it times the
 drafting of a round for all B: each sequence's own drafter one after another (what the server
-did before), then one batched call (the padded head cache gathered once, in the warm-up). Each
-timed round feeds the head one new pair per row, as a round that accepts nothing would; the
-target is not run between rounds (drafting alone is measured). Not a test: slow on a busy CPU.
+does with batched drafting off), then one batched call (the padded head cache gathered once, in
+the warm-up). Each timed round feeds the head one new pair per row, as a round that accepts
+nothing would; the target is not run between rounds (drafting alone is measured). Not a test:
+slow on a busy CPU.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
 
+from eagle_lab.builders import packaged_head_dir
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.generate import Stopper
+from eagle_lab.head_kinds import new_head
+from eagle_lab.interop import load_head
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.drafters import fork_eagle
 from eagle_lab.serving.sequence import Sequence
-from eagle_lab.target import Target
+from eagle_lab.target import Target, TargetConfig, load_target
 
 
 def _next_round(sequences: list[Sequence], features: list[torch.Tensor]) -> None:
@@ -69,12 +74,6 @@ def time_drafting(target: Target, prototype: EagleDrafter, batches=(1, 2, 4, 8),
 
 
 if __name__ == "__main__":
-    import sys
-
-    from eagle_lab.builders import packaged_head_dir
-    from eagle_lab.head import load_head, new_head
-    from eagle_lab.target import TargetConfig, load_target
-
     name = sys.argv[1] if len(sys.argv) > 1 else "smollm2_135m"
     loaded = load_target(TargetConfig(name=name, source="tiny" if "tiny" in name else "embedded"))
     packaged = packaged_head_dir(loaded.name)

@@ -6,7 +6,7 @@ leave between rounds, Scheduler._admit):
   2. jobs admitted since the last round run their prefill alone (prompts differ in length, and
      a prefill is already a wide forward) and send their first token;
   3. every other job drafts its tree, using the tree chosen for this round's batch size
-     (`trees`, from eagle_lab.tree_search.per_batch; none: the drafter's own tree): at batch >= 2 the jobs
+     (`trees`, from eagle_lab.serving.tree_per_batch; none: the drafter's own tree): at batch >= 2 the jobs
      sharing a head draft together, one head forward per tree level (eagle_lab.serving.batch_draft,
      its padded head cache kept while the same sequences share it); at batch 1, or with
      batched_drafting=False, each job with its own drafter, exactly as generate.py;

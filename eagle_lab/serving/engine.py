@@ -25,7 +25,7 @@ from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats, Stopper
 from eagle_lab.prompts import as_tensor, encode_prompt
 from eagle_lab.sampling import SamplingParams
-from eagle_lab.serve import TextStream
+from eagle_lab.text_stream import TextStream
 from eagle_lab.serving.errors import APIError
 from eagle_lab.serving.protocol import MAX_STOP_STRINGS, NEUTRAL, ROLES, SEED_RANGE, ChatRequest, \
     CompletionRequest, SamplingFields

@@ -11,8 +11,15 @@ import logging
 import signal
 import socket
 
+from eagle_lab.builders import make_drafter, ngram_proposer
 from eagle_lab.config import ServeConfig, ServerConfig
+from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.errors import EagleLabError
+from eagle_lab.serving.batching import BatchScheduler
+from eagle_lab.serving.drafters import drafter_factory
+from eagle_lab.serving.engine import Engine
+from eagle_lab.target import load_target
+from eagle_lab.serving.tree_per_batch import trees_per_batch
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +53,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def build_app(cfg: ServeConfig):
     """Load the target (and head), then the engine, scheduler and FastAPI app. Also used by tests."""
-    from eagle_lab.serve import make_drafter
-    from eagle_lab.serving.app import create_app
-    from eagle_lab.serving.drafters import drafter_factory
-    from eagle_lab.serving.engine import Engine
-    from eagle_lab.serving.batching import BatchScheduler
-    from eagle_lab.target import load_target
+    from eagle_lab.serving.app import create_app  # fastapi is an optional extra: imported only to serve
 
     target = load_target(cfg.target)
     prototype = make_drafter(cfg, target)
@@ -61,15 +63,13 @@ def build_app(cfg: ServeConfig):
 
 
 def batch_trees(cfg: ServeConfig, target, prototype) -> dict:
-    """tree=auto with server.tree_per_batch: the tree for each batch size (eagle_lab/tree_search/per_batch.py);
+    """tree=auto with server.tree_per_batch: the tree for each batch size (eagle_lab/serving/tree_per_batch.py);
     else {} (every sequence drafts the drafter's own tree at any batch size)."""
-    from eagle_lab.builders import ngram_proposer
-    from eagle_lab.draft import EagleDrafter, TreeShape
-    from eagle_lab.tree_search.per_batch import trees_per_batch
-
     if not (cfg.tree.auto and cfg.server.tree_per_batch and isinstance(prototype, EagleDrafter)):
         return {}
     fixed = TreeShape(cfg.tree.depth, cfg.tree.topk, cfg.tree.total_tokens)
+    log.info("tree=auto: choosing a tree for each batch size up to %d before listening (timed once per target, "
+             "head and device, then cached; a few minutes on a 2-core CPU the first time)", cfg.server.max_batch)
     calibrated = ngram_proposer(cfg.ngram) if cfg.ngram.enabled and cfg.method == "eagle" else None
     return trees_per_batch(target, prototype, fixed, cfg.server.max_batch, ngram=calibrated,
                            min_gain=cfg.tree.batch_min_gain)

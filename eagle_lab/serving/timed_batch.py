@@ -1,6 +1,6 @@
 """Time the server's batched round in place: B sequences decoding together, no HTTP, no threads.
 
-eagle_lab.tree_search.per_batch prices each tree at batch B from parts measured one by one (a padded
+eagle_lab.serving.tree_per_batch prices each tree at batch B from parts measured one by one (a padded
 forward, batched drafting, batch-1 bookkeeping per row). The round the scheduler really runs
 has costs those parts miss (per-row verification and compaction on the padded cache, Python
 per row), so the model's choice at B is checked here: the B sequences run the scheduler's
@@ -29,7 +29,8 @@ def timed_batch_decoding(target: Target, prototype: EagleDrafter, prompts: list[
                          new_tokens: int) -> dict:
     """Greedy decoding of len(prompts) sequences in one batch, every round with `tree`, until the
     first sequence has `new_tokens` (so the batch size never changes; eos is ignored). Prefills
-    are not timed. -> {"tokens", "rounds", "seconds"} summed over the batch's rounds."""
+    are not timed. -> {"tokens", "rounds", "seconds"} summed over the batch's rounds, and "outputs": each
+    sequence's tokens (greedy, so a tree changes how fast they come, never which)."""
     sequences = [Sequence(target, fork_eagle(prototype), torch.tensor(ids, device=target.device), SamplingParams(),
                           Stopper(target.tokenizer, new_tokens, set()), None) for ids in prompts]
     for sequence in sequences:
@@ -54,4 +55,5 @@ def timed_batch_decoding(target: Target, prototype: EagleDrafter, prompts: list[
     finally:
         drafting.release()
         batch.drop()
-    return {"tokens": tokens, "rounds": rounds, "seconds": time.perf_counter() - start}
+    return {"tokens": tokens, "rounds": rounds, "seconds": time.perf_counter() - start,
+            "outputs": [list(s.stopper.generated) for s in sequences]}

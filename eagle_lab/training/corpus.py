@@ -38,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from eagle_lab.embedded import cache_root
 from eagle_lab.errors import EagleLabError
 from eagle_lab.target import Target
 from eagle_lab.training.features import STORE_DTYPE, Example, compute_features, greedy_tokens
@@ -427,8 +428,6 @@ def status(directory: Path, shard_conversations: int, layer_ids: tuple[int, ...]
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m eagle_lab.training.corpus [DIR ...]`: what each feature corpus holds (default: all in the cache)."""
-    from eagle_lab.embedded import cache_root
-
     argv = sys.argv[1:] if argv is None else argv
     directories = [Path(a) for a in argv] or sorted((cache_root() / "features").glob("*-corpus-*"))
     if not directories:

@@ -50,11 +50,6 @@ def greedy_tokens(target: Target, top: torch.Tensor, chunk: int = 512) -> torch.
     return out.view(top.shape[:-1])
 
 
-def eagle3_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's default low, middle and high layers: (2, L // 2, L - 3), as hidden_states indices."""
-    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
-
-
 def features_key(target_name: str, data_fingerprint: dict, layer_ids: tuple[int, ...]) -> str:
     # "layer_index": which hidden state a layer id names (HF hidden_states[i], the input of layer i)
     blob = json.dumps({"target": target_name, "data": data_fingerprint, "layers": list(layer_ids),

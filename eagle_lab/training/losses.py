@@ -17,10 +17,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eagle_lab.config import LossConfig
 from eagle_lab.head import draft_lm_head_weight
 from eagle_lab.training.features import greedy_tokens
 from eagle_lab.training.ttt import unrolled_hidden
+
+
+@dataclass
+class LossConfig:
+    reg_weight: float = 1.0  # Smooth-L1 on the predicted feature (EAGLE: 1.0)
+    cls_weight: float = 0.1  # cross-entropy against the target's distribution (EAGLE: 0.1)
+    noise_std: float = 0.05  # std of uniform noise on input features (EAGLE: U(-0.1, 0.1))
+    step_decay: float = 0.8  # weight of unrolled step j is step_decay ** (j - 1) (EAGLE-3)
+    mask_outside_draft_vocab: bool = False  # skip positions whose target token the draft cannot emit
 
 
 @dataclass

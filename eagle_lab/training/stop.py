@@ -1,5 +1,5 @@
-"""Stop a training run cleanly on SIGTERM or SIGINT (Ctrl-C, a cluster's pre-emption, a session
-ending): the step in progress finishes, a checkpoint is written, the head is exported, and the run
+"""Stop a training run cleanly on SIGTERM or SIGINT (Ctrl-C, a cluster's pre-emption, a job's time
+limit): the step in progress finishes, a checkpoint is written, the head is exported, and the run
 ends without its held-out evaluation (minutes on a large held-out set); `trainer.resume=true`
 continues exactly where it stopped. A second signal stops at once.
 

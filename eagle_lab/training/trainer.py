@@ -27,12 +27,14 @@ from eagle_lab.config import TrainConfig, to_object
 from eagle_lab.device import cpu_has_bf16, training_dtype
 from eagle_lab.embedded import cache_root
 from eagle_lab.errors import EagleLabError
-from eagle_lab.head import draft_lm_head_weight, new_head, save_head
+from eagle_lab.head import draft_lm_head_weight, save_head
+from eagle_lab.head_kinds import new_head
 from eagle_lab.target import Target, load_target
 from eagle_lab.training import checkpoint as ckpt
 from eagle_lab.training.corpus import CorpusStore, capture_split, corpus_key, open_corpus
 from eagle_lab.training.data import build_datasets, load_conversations, tokenize_conversation
-from eagle_lab.training.features import (Example, ShardStore, capture, compute_features, eagle3_layer_ids, features_key,
+from eagle_lab.eagle3 import eagle3_layer_ids
+from eagle_lab.training.features import (Example, ShardStore, capture, compute_features, features_key,
                                          greedy_tokens)
 from eagle_lab.training.losses import Batch, heldout_accuracy, training_loss
 from eagle_lab.training.regenerate import ReplyWriter, regenerate_conversations, regenerate_key

@@ -33,15 +33,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.embedded import cache_root
 from eagle_lab.ngram import NgramProposer
+from eagle_lab.prompts import encode_prompt
 from eagle_lab.target import Target
-from eagle_lab.tree_search.costs import (CostModel, measure_draft_costs, measure_target_costs, timed_ngram_rounds,
-                                         timed_rounds)
+from eagle_lab.tree_search.costs import (K_GRID, CostModel, largest_tree, measure_draft_costs, measure_target_costs,
+                                         timed_ngram_rounds, timed_rounds)
+from eagle_lab.tree_search.space import TreeSearchConfig
 from eagle_lab.tree_search.replay import ngram_lengths, record, replay_all
 from eagle_lab.tree_search.validate import VALIDATE_TOP, is_plain, measured_best, validate
 
@@ -52,18 +54,6 @@ CALIBRATION_PROMPTS = (
     "What are the main causes of inflation? Answer in a few paragraphs.",
     "Give me a step-by-step plan to learn linear algebra in a month.",
 )
-
-
-@dataclass
-class TreeSearchConfig:
-    depths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 7])
-    topks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
-    totals: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 60])
-    record_shape: tuple[int, int, int] = (7, 8, 64)  # the largest shape searched: its candidates contain all others'
-    probe_shape: tuple[int, int, int] = (2, 2, 4)  # a small shape, timed to fit the overhead's slope
-    new_tokens: int = 48
-    context: int = 256
-    validate_new_tokens: int = 128  # per prompt when the best shapes are timed against plain decoding
 
 
 def fit_search(search: TreeSearchConfig, backend) -> TreeSearchConfig:
@@ -122,7 +112,8 @@ def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], s
     The drafter must have no n-gram proposer attached (every timing is of the head's trees);
     ngram: record its chains and replay them too."""
     steps = 6 if ngram is not None else 5
-    log.info("tree=auto [1/%d]: timing the target's forward for 1-64 scored tokens", steps)
+    log.info("tree=auto [1/%d]: timing the target's forward for 1-%d scored tokens", steps,
+             largest_tree(backend, max(K_GRID)))
     target_ms = measure_target_costs(target, search.context, backend=backend)
     log.info("tree=auto [2/%d]: timing the head's draft steps for top-k %s", steps, search.topks)
     first_ms, level_ms = measure_draft_costs(drafter, target, search.topks, search.context)
@@ -185,8 +176,6 @@ def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts
 
 
 def calibration_prompts(target: Target) -> list[list[int]]:
-    from eagle_lab.prompts import encode_prompt
-
     return [encode_prompt(target.tokenizer, p, chat=True) for p in CALIBRATION_PROMPTS]
 
 

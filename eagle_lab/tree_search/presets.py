@@ -7,8 +7,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from eagle_lab.config import TreeConfig
 from eagle_lab.errors import EagleLabError
+from eagle_lab.tree_search.space import TreeConfig
 
 TREE_DIR = Path(__file__).resolve().parents[2] / "conf" / "tree"
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,9 +25,8 @@ from eagle_lab.generate import Stopper, speculative_decode
 from eagle_lab.ngram import NgramProposer
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import Target
+from eagle_lab.tree_search.space import TreeSearchConfig
 
-if TYPE_CHECKING:  # auto.py imports this module
-    from eagle_lab.tree_search.auto import TreeSearchConfig
 
 NGRAM_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # chain lengths searched, up to ngram.max_tokens
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,10 +16,9 @@ from eagle_lab.generate import Stopper, speculative_decode
 from eagle_lab.ngram import NgramProposer
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import Target
+from eagle_lab.tree_search.space import TreeSearchConfig
 from eagle_lab.tree_search.costs import CostModel
 
-if TYPE_CHECKING:  # auto.py imports this module
-    from eagle_lab.tree_search.auto import TreeSearchConfig
 
 VALIDATE_TOP = 3  # the model's best shapes timed in the decoding loop before one is chosen
 

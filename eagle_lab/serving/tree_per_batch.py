@@ -44,10 +44,14 @@ import torch
 from eagle_lab.draft import BatchTree, EagleDrafter, TreeShape
 from eagle_lab.embedded import cache_root
 from eagle_lab.ngram import NgramProposer
+from eagle_lab.serving.batch import gather_caches, padded_mask
+from eagle_lab.serving.batch_draft_bench import time_drafting
+from eagle_lab.serving.timed_batch import timed_batch_decoding
 from eagle_lab.target import Target
 from eagle_lab.tree import build_tree
-from eagle_lab.tree_search.auto import TreeSearchConfig, calibration, calibration_prompts, choose
+from eagle_lab.tree_search.auto import calibration, calibration_prompts, choose
 from eagle_lab.tree_search.costs import CostModel, timed
+from eagle_lab.tree_search.space import TreeSearchConfig
 from eagle_lab.tree_search.validate import VALIDATE_TOP, measured_best, with_plain
 
 log = logging.getLogger(__name__)
@@ -138,8 +142,6 @@ def batch_forward_costs(probe: dict[int, dict[int, float]], batch: int) -> dict[
 def measure_batched_forward(target: Target, context: int, batches=PROBE_BATCHES, tokens=PROBE_TOKENS,
                             reps: int = 2) -> dict[int, dict[int, float]]:
     """batch -> {K per row -> ms}: one padded forward of `batch` chains of K tokens (the round's path)."""
-    from eagle_lab.serving.batch import gather_caches, padded_mask
-
     g = torch.Generator().manual_seed(0)
     cache = target.new_cache()
     target.forward(torch.randint(0, target.vocab_size, (1, context), generator=g).to(target.device), cache)
@@ -188,8 +190,6 @@ def probe_drafting(target: Target, drafter: EagleDrafter, context: int, max_batc
     """batch -> what batched drafting of that many rows costs, in single-row drafts (1.0 at batch 1),
     timed on tree=cpu's shape (measured once per target, head architecture, device and thread
     count; cached)."""
-    from eagle_lab.serving.batch_draft_bench import time_drafting
-
     batches = sorted({b for b in PROBE_BATCHES if b <= max_batch} | {max_batch})
     blob = json.dumps({"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
                        "head": asdict(drafter.head.arch), "context": context, "batches": batches,
@@ -242,8 +242,6 @@ def validate_per_batch(target: Target, drafter: EagleDrafter, ranked: dict[int, 
     the fixed fields allow it) decode B calibration prompts together in the scheduler's round
     (eagle_lab.serving.timed_batch), one after the other in an order rotated from one B to the
     next; -> B -> the rows sorted by measured tokens/s (all B rows together)."""
-    from eagle_lab.serving.timed_batch import timed_batch_decoding
-
     sizes = sorted({b for b in PROBE_BATCHES if b < max(ranked)} | {max(ranked)})
     measured = {}
     for turn, batch in enumerate(sizes):

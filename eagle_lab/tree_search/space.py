@@ -1,0 +1,35 @@
+"""The tree a user asks for (`tree=`, TreeConfig) and the space tree=auto searches (TreeSearchConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TreeSearchConfig:
+    depths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 7])
+    topks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
+    totals: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 60])
+    record_shape: tuple[int, int, int] = (7, 8, 64)  # the largest shape searched: its candidates contain all others'
+    probe_shape: tuple[int, int, int] = (2, 2, 4)  # a small shape, timed to fit the overhead's slope
+    new_tokens: int = 48
+    context: int = 256
+    validate_new_tokens: int = 128  # per prompt when the best shapes are timed against plain decoding
+
+
+@dataclass
+class TreeConfig:
+    """auto: measure this device and head, then pick the fastest shape (eagle_lab.tree_search.auto);
+    a non-zero depth / topk / total_tokens is kept as given (all three needed when auto=false)."""
+
+    name: str = ""  # the tree/ config it came from (head cards key MT-bench tau by it)
+    auto: bool = True
+    depth: int = 0
+    topk: int = 0
+    total_tokens: int = 0
+    # tree=auto drafts only where the fastest timed tree beats plain decoding, timed beside it, by
+    # this factor; else it decodes without drafts. min_gain: at batch 1 (serve.py, bench, a lone
+    # server request); batch_min_gain: at the server's batch sizes >= 2, where timings on the few
+    # calibration prompts overrated trees (docs/design-batching.md, "A tree per batch size")
+    min_gain: float = 1.0
+    batch_min_gain: float = 1.2
