@@ -1,25 +1,9 @@
-"""Train an EAGLE draft head: python train.py [experiment=smoke] [overrides]; -m for sweeps."""
+"""Train an EAGLE draft head: python train.py [experiment=smoke] [overrides]; -m for sweeps.
 
-import functools
+The same as `python -m eagle_lab.train`, configured from eagle_lab/conf/train.yaml (also reachable as conf/).
+"""
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-
-from eagle_lab.card import reproducing_command
-from eagle_lab.cli import run_entry
-from eagle_lab.config import register_configs
-
-register_configs()
-
-
-@hydra.main(config_path="conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    from eagle_lab.training.trainer import run
-
-    command = reproducing_command("train.py", list(HydraConfig.get().overrides.task))
-    run_entry(functools.partial(run, command=command), cfg)
-
+from eagle_lab.train import main
 
 if __name__ == "__main__":
     main()

@@ -47,7 +47,8 @@ class NgramConfig:
 class BenchConfig:
     dataset: str = "mt_bench"  # mt_bench | humaneval | a .jsonl file of prompts
     limit: int = 10
-    methods: list[str] = field(default_factory=lambda: ["vanilla", "eagle", "hf_greedy", "hf_prompt_lookup"])
+    methods: list[str] = field(default_factory=lambda: ["vanilla", "vanilla_eager", "eagle", "hf_greedy",
+                                                         "hf_prompt_lookup"])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     warmup: int = 1
     # mt_bench: write eagle's tau per temperature into the card.json of head.path (the packaged head's card only

@@ -28,7 +28,7 @@ from eagle_lab.target import SOURCES, TargetConfig
 from eagle_lab.tiny import build_tiny_model
 
 log = logging.getLogger("eagle_lab.export")
-CONF_TARGETS = Path(__file__).resolve().parent.parent / "conf" / "target"
+CONF_TARGETS = Path(__file__).resolve().parent / "conf" / "target"
 PACKAGED_HEADS = Path(__file__).resolve().parent / "assets" / "heads"  # as in eagle_lab.builders
 DEFAULT_TARGET = "smollm2_135m"
 KEYS = ("head_path", "format", "out", "target", "dtype")

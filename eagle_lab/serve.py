@@ -7,11 +7,13 @@ import json
 import logging
 import sys
 
+import hydra
 from omegaconf import DictConfig
 
 from eagle_lab.benchmark.run import run_bench
 from eagle_lab.builders import build_decoder, make_drafter, make_generator, ngram_proposer
-from eagle_lab.config import ServeConfig, to_object
+from eagle_lab.cli import run_entry
+from eagle_lab.config import ServeConfig, register_configs, to_object
 from eagle_lab.decoding.backend import build_backend, compile_choice
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper
@@ -22,6 +24,7 @@ from eagle_lab.target import load_target
 from eagle_lab.text_stream import NullOut, TextStream
 
 log = logging.getLogger(__name__)
+register_configs()
 
 
 def gather_prompts(cfg: ServeConfig) -> list:
@@ -91,3 +94,13 @@ def run(raw: DictConfig) -> None:
                  stats.new_tokens, stats.wall_s, stats.new_tokens / max(stats.wall_s, 1e-9),
                  stats.target_forwards, stats.accept_length, stats.stop_reason,
                  f", n-gram share of accepted drafts {stats.ngram_share:.2f}" if stats.ngram_tree_tokens else "")
+
+
+@hydra.main(config_path="conf", config_name="serve", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """`python serve.py` / `python -m eagle_lab.serve` (the configs ship inside the package)."""
+    run_entry(run, cfg)
+
+
+if __name__ == "__main__":
+    main()

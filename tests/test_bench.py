@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from eagle_lab.benchmark.prompt_sets import load_bench_prompts
-from eagle_lab.benchmark.run import GREEDY_ONLY, METHODS, acceptance_by_depth, cut_hf_output, ngram_share, run_bench
+from eagle_lab.benchmark.aggregate import acceptance_by_depth, ngram_share
+from eagle_lab.benchmark.hf_baseline import cut_hf_output
+from eagle_lab.benchmark.methods import GREEDY_ONLY, METHODS
+from eagle_lab.benchmark.run import run_bench
 from eagle_lab.config import BenchConfig, HeadConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats
@@ -153,7 +156,7 @@ def test_missing_prompts_file_is_a_user_error(tmp_path):
 def test_update_card_records_eagle_tau_per_tree_and_temperature(tmp_path):
     from types import SimpleNamespace
 
-    from eagle_lab.benchmark.run import update_card
+    from eagle_lab.benchmark.metadata import update_card
     from eagle_lab.card import HeadCard, read_card, write_card
 
     write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
@@ -205,7 +208,7 @@ def test_bad_tree_presets_are_refused(tmp_path, method, message):
 def test_update_card_keys_each_tree_preset(tmp_path):
     from types import SimpleNamespace
 
-    from eagle_lab.benchmark.run import update_card
+    from eagle_lab.benchmark.metadata import update_card
     from eagle_lab.card import HeadCard, read_card, write_card
 
     write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
@@ -256,7 +259,7 @@ def test_interleaved_runs_rotate_the_methods_and_change_no_output(tmp_path, monk
 def test_update_card_leaves_the_packaged_card_alone_unless_named(tmp_path):
     from types import SimpleNamespace
 
-    from eagle_lab.benchmark.run import update_card
+    from eagle_lab.benchmark.metadata import update_card
     from eagle_lab.builders import packaged_head_dir
 
     card = packaged_head_dir("smollm2_135m") / "card.json"

@@ -13,7 +13,8 @@ import torch
 
 from eagle_lab.errors import EagleLabError
 from eagle_lab.target import TargetConfig, load_target
-from eagle_lab.training.corpus import CorpusStore, Split, capture_split, claim, release, status
+from eagle_lab.training.corpus import CorpusStore, capture_split, status
+from eagle_lab.training.corpus_layout import Split, claim, release
 from eagle_lab.training.data import tokenize_conversation
 from eagle_lab.training.features import STORE_DTYPE, compute_features
 
@@ -102,7 +103,8 @@ def test_live_lock_is_left_to_its_worker_and_dead_lock_is_taken_over(target, tmp
 
 
 def test_status_reports_what_is_on_disk(target, tmp_path, capsys):
-    from eagle_lab.training.corpus import main, write_manifest
+    from eagle_lab.training.corpus import main
+    from eagle_lab.training.corpus_layout import write_manifest
 
     convs = conversations(9)
     split = make_split(tmp_path, convs)

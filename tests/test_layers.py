@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "eagle_lab"
 
 # top to bottom; a module belongs to the first layer one of whose prefixes it starts with
 LAYERS = [
-    ("entry points", ["eagle_lab.serve", "eagle_lab.export", "eagle_lab.cli", "eagle_lab.training.trainer",
+    ("entry points", ["eagle_lab.serve", "eagle_lab.train", "eagle_lab.export", "eagle_lab.cli", "eagle_lab.training.trainer",
                       "eagle_lab.training.scaling_report"]),
     ("benchmark", ["eagle_lab.benchmark"]),
     ("serving", ["eagle_lab.serving", "eagle_lab.text_stream"]),
@@ -23,7 +23,7 @@ LAYERS = [
     ("models", ["eagle_lab.target", "eagle_lab.head", "eagle_lab.eagle3", "eagle_lab.head_kinds", "eagle_lab.interop",
                 "eagle_lab.tiny", "eagle_lab.tree", "eagle_lab.sampling", "eagle_lab.card", "eagle_lab.prompts"]),
     ("base", ["eagle_lab.errors", "eagle_lab.device", "eagle_lab.embedded", "eagle_lab.packages",
-              "eagle_lab.model_shape", "eagle_lab"]),
+              "eagle_lab.model_shape", "eagle_lab.conf", "eagle_lab"]),
 ]
 
 

@@ -14,7 +14,8 @@ from eagle_lab.head_kinds import new_head
 from eagle_lab.target import TargetConfig, load_target
 from eagle_lab.training.features import Example, greedy_tokens
 from eagle_lab.training.losses import training_loss
-from eagle_lab.training.trainer import Recipe, collate, epoch_order
+from eagle_lab.training.batches import collate, epoch_order
+from eagle_lab.training.trainer import Recipe
 
 
 def test_grouped_epoch_order_is_a_permutation_of_similar_length_batches():

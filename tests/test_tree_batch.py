@@ -155,7 +155,7 @@ def test_min_gain_keeps_plain_unless_a_tree_wins_by_that_much():
 
 
 def test_validate_per_batch_times_the_best_trees_against_plain(tiny_llama, monkeypatch):
-    import eagle_lab.serving.timed_batch as timed_batch
+    import eagle_lab.serving.tree_per_batch as timed_batch  # where validate_per_batch looks the timer up
 
     prototype = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(3, 2, 6))
     ranked = ranked_per_batch(SHAPES[1:], gpu_like_costs(), busy_probe(slope=0.0), 5, TreeShape(0, 0, 0))
@@ -182,7 +182,7 @@ def test_validate_per_batch_times_the_best_trees_against_plain(tiny_llama, monke
 def test_trees_per_batch_times_once_and_reads_the_timings_back(tiny_llama, tmp_path, monkeypatch):
     import json
 
-    import eagle_lab.serving.timed_batch as timed_batch
+    import eagle_lab.serving.tree_per_batch as timed_batch  # where validate_per_batch looks the timer up
     from eagle_lab.tree_search.auto import auto_tree
     from eagle_lab.tree_search.space import TreeSearchConfig
     from eagle_lab.serving.tree_per_batch import trees_per_batch

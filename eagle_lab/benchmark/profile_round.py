@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
     round_ms = 1000 * total / rounds
     print(f"backend {backend.name}, {torch.get_num_threads()} threads, tree {shape}: {rounds} rounds, "
           f"tau {result.stats.accept_length:.2f}, greedy output {'equal to' if result.token_ids == base.token_ids else 'DIFFERENT from'} plain")
-    print(f"| phase | ms per round |\n|---|---:|")
+    print("| phase | ms per round |\n|---|---:|")
     for key, label in PHASES.items():
         print(f"| {label} | {1000 * times.seconds[key] / rounds:.1f} |")
     rest = round_ms - 1000 * sum(times.seconds.values()) / rounds

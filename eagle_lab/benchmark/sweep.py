@@ -72,13 +72,13 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
         log.warning("bench.concurrency %d > %d prompts: the batch can never fill (raise bench.limit)", levels[-1],
                     len(encoded))
     engines = {method: _engine(cfg, method, target, max(levels)) for method in methods}
-    trees = {method: batch_trees for method, (_, batch_trees) in engines.items()}
+    trees = {method: per_batch for method, (_, per_batch) in engines.items()}
     rows = []
     for temperature in cfg.bench.temperatures:
         params = SamplingParams(temperature, cfg.top_k, cfg.top_p)
         if cfg.bench.warmup:
-            for engine, batch_trees in engines.values():
-                run_level(engine, target, batch_trees, encoded[: cfg.bench.warmup], params, cfg, 1)  # untimed
+            for engine, per_batch in engines.values():
+                run_level(engine, target, per_batch, encoded[: cfg.bench.warmup], params, cfg, 1)  # untimed
         for turn, level in enumerate(levels):
             # the methods take turns at each level (first one rotating), so a drift in the machine's
             # speed over the sweep falls on every method alike (bench.interleave)

@@ -36,7 +36,7 @@ class DecodingConfig:
     so a few graphs serve every tree size (a larger tree gets the next power of two, compiled then).
     cache_block: static caches are sized in multiples of this many tokens.
     compile_min_tokens: compile=auto compiles only when the run will decode at least this many tokens
-    (prompts x max_new_tokens; the server and the bench always qualify): a graph takes 1.5-2.5 min to
+    (prompts x max_new_tokens; the bench always qualifies): a graph takes 1.5-2.5 min to
     compile on a 2-core CPU and saves tens of ms per token."""
 
     buckets: list[int] = field(default_factory=lambda: [4, 8, 16])

@@ -18,11 +18,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache
-
 from eagle_lab.cache import keep_accepted, truncate
 from eagle_lab.errors import EagleLabError
-from eagle_lab.target import Target, tree_attention_mask
+from eagle_lab.target import Target
 
 
 @dataclass

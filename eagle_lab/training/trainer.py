@@ -11,9 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import random
-import socket
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,184 +21,26 @@ from tqdm import tqdm
 
 from eagle_lab.card import HeadCard, write_card
 from eagle_lab.config import TrainConfig, to_object
+from eagle_lab.eagle3 import eagle3_layer_ids
 from eagle_lab.device import cpu_has_bf16, training_dtype
 from eagle_lab.embedded import cache_root
 from eagle_lab.errors import EagleLabError
 from eagle_lab.head import draft_lm_head_weight, save_head
 from eagle_lab.head_kinds import new_head
-from eagle_lab.target import Target, load_target
+from eagle_lab.target import load_target
 from eagle_lab.training import checkpoint as ckpt
-from eagle_lab.training.corpus import CorpusStore, capture_split, corpus_key, open_corpus
+from eagle_lab.training.batches import ExampleSource, collate, epoch_order
+from eagle_lab.training.corpus import CorpusStore, capture_split, open_corpus
+from eagle_lab.training.corpus_layout import corpus_key
 from eagle_lab.training.data import build_datasets, load_conversations, tokenize_conversation
-from eagle_lab.eagle3 import eagle3_layer_ids
-from eagle_lab.training.features import (Example, ShardStore, capture, compute_features, features_key,
-                                         greedy_tokens)
+from eagle_lab.training.draft_vocab import draft_vocabulary, supervised_counts
+from eagle_lab.training.engine import deepspeed_config, init_distributed, lr_lambda
+from eagle_lab.training.features import Example, ShardStore, capture, features_key
 from eagle_lab.training.losses import Batch, heldout_accuracy, training_loss
 from eagle_lab.training.regenerate import ReplyWriter, regenerate_conversations, regenerate_key
 from eagle_lab.training.stop import GracefulStop
 
 log = logging.getLogger(__name__)
-
-
-# ---- setup ----------------------------------------------------------------------------------
-
-def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
-    """Single process by default; deepspeed/torchrun launchers set RANK/WORLD_SIZE."""
-    import deepspeed
-
-    if "WORLD_SIZE" not in os.environ:  # a plain `python train.py`: one process, any free port
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def supervised_counts(token_lists, vocab_size: int) -> torch.Tensor:
-    """[V] how often each token id occurs under the loss mask; token_lists yields id tensors."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for ids in token_lists:
-        counts += torch.bincount(ids.long(), minlength=vocab_size)[:vocab_size]
-    return counts
-
-
-def draft_vocabulary(counts: torch.Tensor, size: int, always: set[int]) -> torch.Tensor | None:
-    """The `size` most frequent supervised target tokens (ties: lower id first), plus `always`
-    (the eos ids); counts [V] from `supervised_counts`."""
-    vocab_size = counts.numel()
-    if size <= 0 or size >= vocab_size:
-        return None
-    chosen = [t for t in sorted(always) if t < vocab_size]
-    ranked = counts.clone()
-    ranked[chosen] = -1
-    order = torch.sort(ranked, descending=True, stable=True).indices  # frequent first; unseen ids fill up
-    chosen += order[: size - len(chosen)].tolist()
-    total = int(counts.sum())
-    covered = int(counts[chosen].sum())
-    log.info("draft vocabulary: %d of %d tokens cover %.2f%% of supervised tokens", size, vocab_size,
-             100.0 * covered / max(total, 1))
-    return torch.tensor(sorted(chosen), dtype=torch.long)
-
-
-def deepspeed_config(cfg: TrainConfig, device: torch.device) -> dict:
-    bf16 = cfg.deepspeed.bf16 == "true" or (cfg.deepspeed.bf16 == "auto" and device.type == "cuda")
-    return {
-        "train_micro_batch_size_per_gpu": cfg.trainer.micro_batch_size,
-        "gradient_accumulation_steps": cfg.trainer.grad_accum,
-        "gradient_clipping": cfg.optim.grad_clip,
-        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
-        "bf16": {"enabled": bf16},
-        "steps_per_print": 1 << 30,
-    }
-
-
-def lr_lambda(cfg: TrainConfig):
-    warmup, total, floor = cfg.optim.warmup_steps, max(cfg.trainer.max_steps, 1), cfg.optim.min_lr_ratio
-
-    def scale(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(total - warmup, 1))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return scale
-
-
-# ---- batches --------------------------------------------------------------------------------
-
-def collate(examples: list[Example], device: torch.device, dtype: torch.dtype, use_layers: bool) -> Batch:
-    longest = max(e.input_ids.numel() for e in examples)
-    b = len(examples)
-    width = examples[0].features.shape[-1]
-    in_width = examples[0].layer_features.shape[-1] if use_layers else width
-    ids = torch.zeros(b, longest, dtype=torch.long)
-    mask = torch.zeros(b, longest, dtype=torch.bool)
-    valid = torch.zeros(b, longest, dtype=torch.bool)
-    top = torch.zeros(b, longest, width, dtype=dtype)
-    inputs = top if not use_layers else torch.zeros(b, longest, in_width, dtype=dtype)
-    for i, e in enumerate(examples):
-        n = e.input_ids.numel()
-        ids[i, :n], mask[i, :n], valid[i, :n] = e.input_ids, e.loss_mask, True
-        top[i, :n] = e.features.to(dtype)
-        if use_layers:
-            inputs[i, :n] = e.layer_features.to(dtype)
-    greedy = None
-    if all(e.target_token is not None for e in examples):
-        greedy = torch.zeros(b, longest, dtype=torch.long)
-        for i, e in enumerate(examples):
-            greedy[i, : e.target_token.numel()] = e.target_token
-        greedy = greedy.to(device)
-    return Batch(ids.to(device), mask.to(device), valid.to(device), top.to(device), inputs.to(device), greedy)
-
-
-class ExampleSource:
-    """Examples by index, from captured shards (offline) or computed on demand (online)."""
-
-    def __init__(self, target: Target, dataset, store: ShardStore | CorpusStore | None, layer_ids: tuple[int, ...]):
-        self.target, self.dataset, self.store, self.layer_ids = target, dataset, store, layer_ids
-        self._lengths: list[int] | None = None
-        self._greedy: dict[int, torch.Tensor] = {}  # example index -> the target's greedy tokens [T]
-
-    def __len__(self) -> int:
-        return len(self.store) if self.store is not None else len(self.dataset)
-
-    def lengths(self) -> list[int]:
-        if self._lengths is None:
-            self._lengths = (self.store.lengths() if self.store is not None
-                             else [len(r["input_ids"]) for r in self.dataset])
-        return self._lengths
-
-    def get(self, indices: list[int], with_greedy: bool = False) -> list[Example]:
-        """with_greedy: also attach the target's greedy tokens, computed once per stored example
-        (a full-vocabulary LM-head pass costs as much as a training step's head work)."""
-        if self.store is not None:
-            examples = [self.store[i] for i in indices]
-        else:
-            rows = [self.dataset[i] for i in indices]
-            computed = compute_features(self.target, [r["input_ids"] for r in rows], self.layer_ids)
-            examples = [Example(torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"], dtype=torch.bool), f, lf)
-                        for r, (f, lf) in zip(rows, computed)]
-        if with_greedy:
-            for index, example in zip(indices, examples):
-                if example.target_token is None:
-                    if index not in self._greedy:
-                        self._greedy[index] = greedy_tokens(self.target, example.features).cpu().to(torch.int32)
-                    example.target_token = self._greedy[index].long()
-        return examples
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.lengths())
-
-
-def epoch_order(count: int, seed: int, epoch: int, lengths: list[int] | None = None,
-                batch_size: int = 1) -> list[int]:
-    """A seeded permutation of the examples for one epoch.
-
-    With `lengths`, the permutation is cut into windows of 64 batches, each window sorted
-    by length and its batches shuffled again: every batch holds sequences of similar
-    length (little padding), while each epoch still visits every example once in an
-    order that depends only on (seed, epoch), so resuming replays it exactly.
-    """
-    rng = random.Random(seed * 100003 + epoch)
-    order = list(range(count))
-    rng.shuffle(order)
-    if lengths is None or batch_size < 1:
-        return order
-    window = 64 * batch_size
-    batches = []
-    for start in range(0, count, window):
-        chunk = sorted(order[start: start + window], key=lambda i: lengths[i], reverse=True)
-        batches += [chunk[i: i + batch_size] for i in range(0, len(chunk), batch_size)]
-    rng.shuffle(batches)
-    return [i for batch in batches for i in batch]
 
 
 # ---- the recipe ----------------------------------------------------------------------------
@@ -381,9 +220,12 @@ class Recipe:
         params = [p for p in self.head.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                       weight_decay=cfg.optim.weight_decay)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        schedule = lr_lambda(cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        engine_config = deepspeed_config(cfg.trainer.micro_batch_size, cfg.trainer.grad_accum, cfg.optim.grad_clip,
+                                         cfg.deepspeed.zero_stage, cfg.deepspeed.bf16, self.device)
         self.engine, _, _, _ = deepspeed.initialize(model=self.head, optimizer=optimizer, lr_scheduler=scheduler,
-                                                    config=deepspeed_config(cfg, self.device))
+                                                    config=engine_config)
         self.step, self.epoch, self.cursor = 0, 0, 0
         self._order: tuple[int, list[int]] | None = None  # (epoch, its example order)
         latest = ckpt.latest_checkpoint(self.ckpt_dir) if cfg.trainer.resume else None

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from eagle_lab.errors import EagleLabError
 from eagle_lab.tree_search.space import TreeConfig
 
-TREE_DIR = Path(__file__).resolve().parents[2] / "conf" / "tree"
+TREE_DIR = Path(__file__).resolve().parents[1] / "conf" / "tree"
 
 
 def preset_names() -> list[str]:

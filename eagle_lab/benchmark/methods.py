@@ -1,0 +1,87 @@
+"""The bench's methods: their names, the drafter each runs, and the checks made before any work."""
+
+from __future__ import annotations
+
+import logging
+
+from eagle_lab.builders import build_drafter, build_head, ngram_proposer
+from eagle_lab.config import ServeConfig, TreeConfig
+from eagle_lab.decoding.backend import Backend
+from eagle_lab.draft import Drafter
+from eagle_lab.errors import EagleLabError
+from eagle_lab.ngram import NgramDrafter
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import Target
+from eagle_lab.tree_search.presets import tree_preset
+
+log = logging.getLogger(__name__)
+METHODS = ("vanilla", "vanilla_eager", "eagle", "eagle+ngram", "ngram", "hf_greedy", "hf_prompt_lookup")
+HEAD_METHODS = ("eagle", "eagle+ngram")  # methods that run the head
+HF_METHODS = ("hf_greedy", "hf_prompt_lookup")
+GREEDY_ONLY = ("hf_prompt_lookup",)
+PROMPT_LOOKUP_TOKENS = 10
+
+
+def split_method(method: str) -> tuple[str, str]:
+    """'eagle@auto' -> ('eagle', 'auto'); 'eagle' -> ('eagle', '') (the configured tree=)."""
+    base, _, tree = method.partition("@")
+    return base, tree
+
+def build_drafters(cfg: ServeConfig, target: Target, backend: Backend | None = None) -> dict[str, Drafter]:
+    """One drafter per speculative method requested; every head method shares one head
+    (under tree=auto each is calibrated, and cached, on its own)."""
+    methods = cfg.bench.methods
+    head = build_head(cfg.head, target) if any(split_method(m)[0] in HEAD_METHODS for m in methods) else None
+    drafters: dict[str, Drafter] = {}
+    for method in methods:
+        base, preset = split_method(method)
+        tree = tree_preset(preset) if preset else cfg.tree
+        if base == "eagle":
+            drafters[method] = build_drafter(head, target, tree, backend=backend)
+        elif base == "eagle+ngram":
+            drafters[method] = build_drafter(head, target, tree, ngram_proposer(cfg.ngram), backend)
+        elif base == "ngram":
+            drafters[method] = NgramDrafter(ngram_proposer(cfg.ngram))
+    return drafters
+
+def tree_label(tree: TreeConfig) -> str:
+    """How head cards key MT-bench tau: the preset's name, or the shape."""
+    return "auto" if tree.auto else tree.name or f"d{tree.depth}-k{tree.topk}-n{tree.total_tokens}"
+
+def validate_bench(cfg: ServeConfig) -> None:
+    """Refuse unknown or repeated methods, bad temperatures and a negative warm-up up front."""
+    bench = cfg.bench
+    if not bench.methods:
+        raise EagleLabError(f"bench.methods is empty (choose from {', '.join(METHODS)})")
+    unknown = [m for m in bench.methods if split_method(m)[0] not in METHODS]
+    if unknown:
+        raise EagleLabError(f"unknown bench method(s) {', '.join(unknown)} (choose from {', '.join(METHODS)})")
+    for method in bench.methods:
+        base, preset = split_method(method)
+        if "@" in method and base not in HEAD_METHODS:
+            raise EagleLabError(f"bench method '{method}': only {', '.join(HEAD_METHODS)} take a tree after '@'")
+        if preset:
+            tree_preset(preset)  # raises EagleLabError naming the presets
+    if len(set(bench.methods)) != len(bench.methods):
+        raise EagleLabError(f"bench.methods repeats a method: {list(bench.methods)}")
+    if not bench.temperatures:
+        raise EagleLabError("bench.temperatures is empty (e.g. bench.temperatures=[0.0,1.0])")
+    for temperature in bench.temperatures:
+        SamplingParams(temperature, cfg.top_k, cfg.top_p)  # raises EagleLabError on bad values
+    if len({temperature_key(t) for t in bench.temperatures}) != len(bench.temperatures):
+        raise EagleLabError(f"bench.temperatures repeats a value: {list(bench.temperatures)}")
+    if any(m in ("eagle+ngram", "ngram") for m in bench.methods):
+        ngram_proposer(cfg.ngram)  # raises EagleLabError on bad ngram.* values
+    if bench.warmup < 0:
+        raise EagleLabError(f"bench.warmup must be >= 0, got {bench.warmup}")
+    if cfg.max_new_tokens < 1:
+        raise EagleLabError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.stop:
+        log.warning("bench ignores stop strings (stop=%s): every method stops at eos or max_new_tokens", cfg.stop)
+    if cfg.temperature != 0:
+        log.warning("bench ignores temperature=%g: it runs bench.temperatures=%s", cfg.temperature,
+                    list(bench.temperatures))
+
+
+def temperature_key(temperature: float) -> str:
+    return str(float(temperature))
