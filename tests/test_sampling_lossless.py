@@ -127,6 +127,19 @@ def exact_sequence_probs(target, prompt, params, length):
     return prefix_probs
 
 
+def sampled_sequences(target, drafter, prompt, params, length: int, samples: int, seed: int, backend=None):
+    """Sample `samples` continuations of `length` tokens; -> (counts per sequence, runs that accepted a draft)."""
+    g = torch.Generator().manual_seed(seed)
+    counts, accepted_any = {}, 0
+    for _ in range(samples):
+        result = generate(speculative_decode(target, drafter, prompt, params, Stopper(target.tokenizer, length, set()),
+                                             g, backend=backend))
+        key = tuple(result.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        accepted_any += result.stats.accepted_draft_tokens > 0
+    return counts, accepted_any
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=3),
@@ -137,13 +150,7 @@ def test_speculative_sampling_matches_target(params):
     prompt = torch.tensor([1, 4, 2, 0])
     length, samples = 3, 3000
     drafter = NoisyDrafter(target, depth=2, topk=2, noise=1.0, seed=5)
-    g = torch.Generator().manual_seed(11)
-    counts, accepted_any = {}, 0
-    for _ in range(samples):
-        result = generate(speculative_decode(target, drafter, prompt, params, Stopper(target.tokenizer, length, set()), g))
-        key = tuple(result.token_ids)
-        counts[key] = counts.get(key, 0) + 1
-        accepted_any += result.stats.accepted_draft_tokens > 0
+    counts, accepted_any = sampled_sequences(target, drafter, prompt, params, length, samples, seed=11)
     # the draft must be useful but imperfect for the test to mean something
     assert 0.2 * samples < accepted_any < samples
     expected = exact_sequence_probs(target, prompt, params, length)

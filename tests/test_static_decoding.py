@@ -17,7 +17,7 @@ from eagle_lab.head_kinds import new_head
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.tree import build_tree
 from tests.conftest import NoisyDrafter, OracleDrafter, small_vocab_target
-from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
+from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs, sampled_sequences
 
 GREEDY = SamplingParams()
 
@@ -121,13 +121,7 @@ def test_compiled_sampling_matches_target():
     prompt = torch.tensor([1, 4, 2, 0])
     length, samples = 3, 3000
     drafter = NoisyDrafter(target, depth=2, topk=2, noise=1.0, seed=5)
-    g = torch.Generator().manual_seed(11)
-    counts, accepted_any = {}, 0
-    for _ in range(samples):
-        result = generate(speculative_decode(target, drafter, prompt, params, Stopper(target.tokenizer, length, set()),
-                                             g, backend=backend))
-        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
-        accepted_any += result.stats.accepted_draft_tokens > 0
+    counts, accepted_any = sampled_sequences(target, drafter, prompt, params, length, samples, seed=11, backend=backend)
     assert 0.2 * samples < accepted_any < samples
     assert chi_square_pvalue(counts, exact_sequence_probs(target, prompt, params, length), samples) > ALPHA
 
