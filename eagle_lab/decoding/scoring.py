@@ -46,7 +46,8 @@ class Scorer(Protocol):
         ...
 
 
-def _split(target: Target, hidden: torch.Tensor, layers: torch.Tensor | None, logits: torch.Tensor) -> Scored:
+def _scored(hidden: torch.Tensor, layers: torch.Tensor | None, logits: torch.Tensor) -> Scored:
+    """hidden [N, H], layers [N, F] or None (the drafter then reads the top feature), logits [N or 1, V]."""
     return Scored(features=hidden, head_features=layers if layers is not None else hidden, logits=logits)
 
 
@@ -64,7 +65,7 @@ class DynamicScorer:
         out = self.target.forward(prompt_ids[None], self.cache, layer_ids=self.layer_ids)
         self.past = prompt_ids.numel()
         layers = out.layer_features[0] if out.layer_features is not None else None  # [T, F]
-        return _split(self.target, out.features[0], layers, self.target.logits(out.features[0, -1:]))
+        return _scored(out.features[0], layers, self.target.logits(out.features[0, -1:]))
 
     def score(self, tokens: torch.Tensor, depths: torch.Tensor | None = None,
               tree_mask: torch.Tensor | None = None) -> Scored:
@@ -77,7 +78,7 @@ class DynamicScorer:
             positions = (self.past + depths)[None]  # [1, N]
             out = self.target.forward(tokens[None], self.cache, positions, tree_mask, self.layer_ids)
         layers = out.layer_features[0] if out.layer_features is not None else None
-        return _split(self.target, out.features[0], layers, self.target.logits(out.features[0]))  # [N, V]
+        return _scored(out.features[0], layers, self.target.logits(out.features[0]))  # [N, V]
 
     def commit(self, accepted: torch.Tensor) -> None:
         keep_accepted(self.cache, self.past, accepted)
@@ -108,7 +109,7 @@ class StaticScorer:
         hidden, layers = self.runner.forward_eager(self.cache, prompt_ids[None], positions, mask, self.layer_ids)
         self.past = count
         self.cache.set_length(count)
-        return _split(self.runner.target, hidden[0], None if layers is None else layers[0],
+        return _scored(hidden[0], None if layers is None else layers[0],
                       self.runner.target.logits(hidden[0, -1:]))
 
     def score(self, tokens: torch.Tensor, depths: torch.Tensor | None = None,
@@ -132,8 +133,7 @@ class StaticScorer:
         self.cache.set_length(self.past)
         hidden, layers, logits = self.runner.step(self.cache, padded_tokens[None], (self.past + padded_depths)[None],
                                                   mask, self.layer_ids)
-        return Scored(features=hidden[0, :count], head_features=(layers if layers is not None else hidden)[0, :count],
-                      logits=logits[0, :count])
+        return _scored(hidden[0, :count], None if layers is None else layers[0, :count], logits[0, :count])
 
     def commit(self, accepted: torch.Tensor) -> None:
         self.cache.keep_accepted(self.past, accepted)
