@@ -76,12 +76,21 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
     if not tree.auto:
         if not (tree.depth and tree.topk and tree.total_tokens):
             raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")
-        drafter = EagleDrafter(head, target, fixed, ngram, compiled=getattr(backend, "compiled", False))
+        drafter = eagle_drafter(head, target, fixed, ngram, backend)
         if getattr(backend, "buckets", None) and ngram is not None:  # keep hybrid trees within compiled sizes
             drafter.max_tree_tokens = max(max(backend.buckets), tree.total_tokens + 1)
         return drafter
-    drafter = EagleDrafter(head, target, TreeShape(4, 4, 12), ngram, compiled=getattr(backend, "compiled", False))
+    drafter = eagle_drafter(head, target, TreeShape(4, 4, 12), ngram, backend)
     auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend)
+    return drafter
+
+
+def eagle_drafter(head: EagleHead, target: Target, shape: TreeShape, ngram: NgramProposer | None,
+                   backend: Backend | None) -> EagleDrafter:
+    """The head compiles when the target does; its cache is sized like the backend's static caches."""
+    drafter = EagleDrafter(head, target, shape, ngram, compiled=getattr(backend, "compiled", False))
+    drafter.cache_capacity = getattr(backend, "min_capacity", 0)
+    drafter.reset()
     return drafter
 
 

@@ -21,11 +21,11 @@ from typing import Protocol
 
 import torch
 
-from eagle_lab.decoding.compiled import CompiledHeadParts
+from eagle_lab.decoding.head_step import HeadStepRunner
 from eagle_lab.errors import EagleLabError
 from eagle_lab.head import EagleHead, HeadKVCache, draft_lm_head_weight
 from eagle_lab.ngram import NgramProposer, merge_chain
-from eagle_lab.target import Target, tree_attention_mask
+from eagle_lab.target import Target
 from eagle_lab.tree import DraftTree, build_tree, root_only_tree, select_best
 
 
@@ -79,34 +79,25 @@ class EagleDrafter:
         self.ngram = ngram  # hybrid drafting: an n-gram chain merged into every tree (None: off)
         self.rotary = target.backbone.rotary_emb
         self.lm_weight = draft_lm_head_weight(head, target)  # [Vd, H]
-        self.cache = HeadKVCache()
+        # the head step over the head's cache, compiled per row bucket when compiled=True (shared by forks)
+        self.runner = HeadStepRunner(self.head, target.backbone.embed_tokens, self.rotary, self.lm_weight, compiled)
+        self.cache_capacity = 0  # head cache slots preallocated per sequence (a static backend's reserve)
+        self.cache = self.new_cache()
         self.committed = 0  # pairs in the head cache that belong to the committed sequence
         self.last_candidates: Candidates | None = None
         self.feature_layers = tuple(head.arch.feature_layers)  # target layers the head reads
         self.max_tree_tokens = 0  # > 0: n-gram chains are cut so a tree never has more nodes (static buckets)
-        self.parts = None  # the head's matmuls compiled per row bucket (compiled=True)
-        if compiled:
-            self.parts = CompiledHeadParts(self.head, self.lm_weight)
+
+    def new_cache(self) -> HeadKVCache:
+        return HeadKVCache(min_capacity=self.cache_capacity)
 
     def reset(self) -> None:
-        self.cache = HeadKVCache()
+        self.cache = self.new_cache()
         self.committed = 0
 
-    def _step(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, mask,
-              from_draft: bool = False):
-        """tokens [1, T], features [1, T, F], positions [1, T] -> hidden [1, T, H]."""
-        embeds = self.target.embed_tokens(tokens)  # [1, T, H]
-        cos, sin = self.rotary(embeds, positions)  # [1, T, D] each
-        return self.head(embeds, features, cos, sin, self.cache, mask, from_draft, self.parts)
-
-    def _top_children(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [F, H] -> (log-probs [F, k], target token ids [F, k]) of each node's top-k."""
-        if self.parts is not None:
-            logp = self.parts.log_probs(hidden)  # [F, Vd]
-        else:
-            logp = self.head.draft_logits(hidden, self.lm_weight).float().log_softmax(-1)  # [F, Vd]
-        top = logp.topk(k, dim=-1)
-        return top.values, self.head.draft_to_target[top.indices]
+    def _children(self, top_logp: torch.Tensor, top_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's top-k over the draft vocabulary [R, k] -> (log-probs [R, k], target token ids [R, k])."""
+        return top_logp, self.head.draft_to_target[top_ids]
 
     def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
         tree = self._draft_eagle(sequence, new_features, max_depth)
@@ -123,11 +114,12 @@ class EagleDrafter:
             return root_only_tree(root, device)  # drafting is off (tree=auto found it does not pay): skip the head
         depth = min(self.shape.depth, max_depth)
         if depth < 1:
-            self._commit(sequence, new_features)  # near the context limit: keep the head cache in step
+            self.feed(sequence, new_features)  # near the context limit: keep the head cache in step
             return root_only_tree(root, device)
-        hidden = self._commit(sequence, new_features)[:, -1]  # [1, H] predicted feature at the root
         k = min(self.shape.topk, self.head.arch.draft_vocab_size)
-        scores, tokens = self._top_children(hidden, k)  # [1, k] each
+        hidden, top_logp, top_ids = self._commit(sequence, new_features, k)
+        hidden = hidden[-1:]  # [1, H] predicted feature at the root
+        scores, tokens = self._children(top_logp[-1:], top_ids[-1:])  # [1, k] each
         all_scores, all_tokens = [scores.flatten()], [tokens.flatten()]
         all_parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
         frontier = torch.arange(k, device=device)  # candidate ids of the frontier
@@ -140,11 +132,10 @@ class EagleDrafter:
             visible = torch.cat([ancestry, torch.eye(k, dtype=torch.bool, device=device)], dim=1)  # [k, E + k]
             full = torch.ones(k, self.committed + entries + k, dtype=torch.bool, device=device)
             full[:, self.committed:] = visible
-            mask = torch.zeros(full.shape, dtype=hidden.dtype, device=device)
-            mask.masked_fill_(~full, torch.finfo(hidden.dtype).min)
-            positions = torch.full((1, k), self.committed + level - 1, device=device)
-            out = self._step(frontier_tokens[None], parent_hidden[None], positions, mask[None, None], True)[0]  # [k, H]
-            child_logp, child_tokens = self._top_children(out, k)  # [k, k]
+            positions = torch.full((k,), self.committed + level - 1, device=device)
+            out, top_logp, top_ids = self.runner(self.cache, frontier_tokens, parent_hidden, positions, full, k,
+                                                 from_draft=True)  # [k, H], [k, k], [k, k]
+            child_logp, child_tokens = self._children(top_logp, top_ids)  # [k, k]
             child_scores = frontier_scores[:, None] + child_logp  # [k, k]
             all_scores.append(child_scores.flatten())
             all_tokens.append(child_tokens.flatten())
@@ -162,16 +153,19 @@ class EagleDrafter:
         parents = torch.cat([torch.tensor([-1], device=device), parents])
         return build_tree(tokens, parents)
 
-    def _commit(self, sequence: torch.Tensor, new_features: torch.Tensor) -> torch.Tensor:
-        """Feed the unseen pairs (feature_t, token_{t+1}); returns the head output [1, P, H]."""
+    def feed(self, sequence: torch.Tensor, new_features: torch.Tensor) -> None:
+        """Bring the head cache up to the committed sequence without drafting (arguments as draft's)."""
+        self._commit(sequence, new_features, 1)
+
+    def _commit(self, sequence: torch.Tensor, new_features: torch.Tensor, k: int):
+        """Feed the unseen pairs (feature_t, token_{t+1}) -> hidden [P, H] and each one's top-k draft
+        log-probs and draft ids [P, k]."""
         self.cache.crop(self.committed)  # forget last round's frontier entries
         count = new_features.shape[0]
-        tokens = sequence[-count:][None]  # [1, P]
-        positions = torch.arange(self.committed, self.committed + count, device=sequence.device)[None]
-        mask = None
-        if self.committed and count > 1:  # causal over the new pairs, full view of the past
-            causal = torch.ones(count, count, dtype=torch.bool, device=sequence.device).tril()
-            mask = tree_attention_mask(causal, self.committed, new_features.dtype)
-        out = self._step(tokens, new_features[None], positions, mask)
+        device = sequence.device
+        visible = torch.ones(count, self.committed + count, dtype=torch.bool, device=device)
+        visible[:, self.committed:] = torch.ones(count, count, dtype=torch.bool, device=device).tril()  # causal
+        positions = torch.arange(self.committed, self.committed + count, device=device)
+        out = self.runner(self.cache, sequence[-count:], new_features, positions, visible, k, from_draft=False)
         self.committed += count
         return out

@@ -92,27 +92,60 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class HeadKVCache:
-    """The head's own key/value cache: [B, kvH, T, D] tensors that grow and get cropped."""
+    """The head's own key/value cache: preallocated [B, kvH, capacity, D] buffers filled up to `length`.
 
-    def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+    Appends write in place; when full, the buffers grow by whole blocks (one copy). Cropping only
+    moves the length, so a round's draft entries past the committed pairs cost nothing to forget.
+    """
+
+    def __init__(self, block: int = 512, min_capacity: int = 0):
+        self.key_buffer: torch.Tensor | None = None  # [B, kvH, capacity, D]
+        self.value_buffer: torch.Tensor | None = None
+        self.length = 0
+        self.block, self.min_capacity = block, min_capacity
 
     @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+    def capacity(self) -> int:
+        return 0 if self.key_buffer is None else self.key_buffer.shape[2]
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """[B, kvH, length, D], a view of the buffer."""
+        return None if self.key_buffer is None else self.key_buffer[:, :, :self.length]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self.value_buffer is None else self.value_buffer[:, :, :self.length]
+
+    def reserve(self, slots: int, like: torch.Tensor, arch: "HeadArchitecture", batch: int = 1) -> None:
+        """Room for `slots` entries per row (buffers of like's dtype and device)."""
+        self._grow(slots, (batch, arch.num_kv_heads, arch.head_dim), like)
+
+    def _grow(self, slots: int, shape: tuple[int, int, int], like: torch.Tensor) -> None:
+        """Reallocate in whole blocks (at least min_capacity) when `slots` do not fit; shape: (B, kvH, D)."""
+        if slots <= self.capacity:
+            return
+        capacity = max(-(-slots // self.block) * self.block, self.min_capacity)
+        keys, values = (like.new_zeros((shape[0], shape[1], capacity, shape[2])) for _ in range(2))
+        if self.length:
+            keys[:, :, :self.length], values[:, :, :self.length] = self.keys, self.values
+        self.key_buffer, self.value_buffer = keys, values
+
+    def load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Take [B, kvH, S, D] keys and values as the whole cache (S entries, no free room)."""
+        self.key_buffer, self.value_buffer, self.length = keys, values, keys.shape[2]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
+        """[B, kvH, T, D] each -> every cached entry, these included: [B, kvH, length + T, D] each."""
+        count = keys.shape[2]
+        self._grow(self.length + count, (keys.shape[0], keys.shape[1], keys.shape[3]), keys)
+        self.key_buffer[:, :, self.length:self.length + count] = keys
+        self.value_buffer[:, :, self.length:self.length + count] = values
+        self.length += count
         return self.keys, self.values
 
     def crop(self, length: int) -> None:
-        if self.keys is not None and self.keys.shape[2] > length:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        self.length = min(self.length, length)
 
 
 class Attention(nn.Module):

@@ -126,15 +126,29 @@ def test_compiled_sampling_matches_target():
     assert chi_square_pvalue(counts, exact_sequence_probs(target, prompt, params, length), samples) > ALPHA
 
 
+class TreeLog:
+    """A round observer keeping every drafted tree."""
+
+    def __init__(self):
+        self.trees = []
+
+    def phase(self, name, seconds, result) -> None:
+        if result is not None:
+            self.trees.append(result.tree)
+
+
 @pytest.mark.slow
-def test_compiled_head_parts_draft_what_the_eager_head_drafts(tiny_llama):
+def test_compiled_head_step_drafts_what_the_eager_head_drafts(tiny_llama):
+    """Rows padded to a bucket, attention over the whole head cache, weights frozen: every round's tree
+    is the one the eager head step drafts."""
     head = new_head(tiny_llama, seed=2)
-    eager = EagleDrafter(head, tiny_llama, TreeShape(3, 3, 8))
-    compiled = EagleDrafter(head, tiny_llama, TreeShape(3, 3, 8), compiled=True)
-    prompt = prompt_for(tiny_llama)
-    features = tiny_llama.forward(prompt[None]).features[0]  # [T, H]
-    trees = [d.draft(prompt, features[:-1], max_depth=8) for d in (eager, compiled)]
-    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
-    hidden = torch.randn(3, tiny_llama.hidden_size)
-    reference = head.draft_logits(hidden, eager.lm_weight).float().log_softmax(-1)
-    torch.testing.assert_close(compiled.parts.log_probs(hidden), reference, atol=1e-4, rtol=1e-4)
+    logs = {}
+    for compiled in (False, True):
+        drafter = EagleDrafter(head, tiny_llama, TreeShape(3, 3, 8), compiled=compiled)
+        logs[compiled] = TreeLog()
+        generate(speculative_decode(tiny_llama, drafter, prompt_for(tiny_llama), GREEDY,
+                                    Stopper(tiny_llama.tokenizer, 24, set()), observer=logs[compiled]))
+        assert drafter.runner.compiled == compiled
+    assert len(logs[True].trees) == len(logs[False].trees) > 3
+    for eager, compiled in zip(logs[False].trees, logs[True].trees):
+        assert torch.equal(eager.tokens, compiled.tokens) and torch.equal(eager.parents, compiled.parents)

@@ -16,10 +16,10 @@ from collections import defaultdict
 
 import torch
 
-from eagle_lab.builders import build_head
+from eagle_lab.builders import build_head, eagle_drafter
 from eagle_lab.config import HeadConfig
 from eagle_lab.decoding.backend import DecodingConfig, build_backend
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.draft import TreeShape
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.prompts import encode_prompt
 from eagle_lab.sampling import SamplingParams
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
     target = load_target(TargetConfig(device="cpu"))
     backend = build_backend(target, args.get("compile", "true"), DecodingConfig())
     shape = TreeShape(int(args.get("depth", 4)), int(args.get("topk", 4)), int(args.get("total", 12)))
-    drafter = EagleDrafter(build_head(HeadConfig(), target), target, shape)
+    drafter = eagle_drafter(build_head(HeadConfig(), target), target, shape, None, backend)  # compiles with the target
     prompt = torch.tensor(encode_prompt(target.tokenizer, CALIBRATION_PROMPTS[0], chat=True))
     tokens = int(args.get("tokens", 96))
 

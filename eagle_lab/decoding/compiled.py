@@ -20,7 +20,6 @@ import os
 import platform
 import shutil
 import time
-from functools import partial
 
 import torch
 import torch._inductor.config
@@ -42,6 +41,14 @@ def inductor_cache_dir() -> str:
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def raise_recompile_limits(graphs: int = 64) -> None:
+    """Let dynamo keep one graph per bucket and capacity instead of falling back to eager after 8."""
+    dynamo = torch._dynamo.config
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo, limit):
+            setattr(dynamo, limit, max(getattr(dynamo, limit), graphs))
 
 
 def can_compile(device: torch.device) -> tuple[bool, str]:
@@ -87,10 +94,7 @@ class StepCompiler:
         self._settings: dict = {}
         if compiled:
             inductor_cache_dir()
-            dynamo = torch._dynamo.config
-            for limit in ("recompile_limit", "cache_size_limit"):  # one graph per bucket and capacity
-                if hasattr(dynamo, limit):
-                    setattr(dynamo, limit, max(getattr(dynamo, limit), 64))
+            raise_recompile_limits()
             if target.device.type == "cuda":
                 self._fn = torch.compile(self.module, dynamic=False, mode="reduce-overhead")
             else:
@@ -175,60 +179,3 @@ def choose(target: Target, compiled, eager):
     log.info("compile=auto: %s decoding (a plain step timed %.1f ms compiled, %.1f ms eager)", verdict["choice"],
              verdict["compiled_ms"], verdict["eager_ms"])
     return compiled if verdict["choice"] == "compiled" else eager
-
-
-class RowBucketed:
-    """`fn(*tensors)` compiled for a few row counts: dim `row_dim` of every input is padded with zeros to
-    the smallest bucket that holds it (outputs are cut back), so a handful of graphs serve every call.
-    Calls with more rows than the largest bucket run eagerly."""
-
-    def __init__(self, fn, buckets: tuple[int, ...] = (4, 16), row_dim: int = -2):
-        self.fn, self.buckets, self.row_dim = fn, tuple(sorted(buckets)), row_dim
-        self.compiled = torch.compile(fn, dynamic=False)
-
-    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
-        rows = tensors[0].shape[self.row_dim]
-        bucket = next((b for b in self.buckets if b >= rows), None)
-        if bucket is None:
-            return self.fn(*tensors)
-        padded = [_pad_rows(t, bucket, self.row_dim) for t in tensors]
-        with torch._inductor.config.patch(CPU_OPTIONS if tensors[0].device.type == "cpu" else {}):
-            out = self.compiled(*padded)
-        if isinstance(out, tuple):
-            return tuple(o.narrow(self.row_dim, 0, rows) for o in out)
-        return out.narrow(self.row_dim, 0, rows)
-
-
-def _pad_rows(tensor: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
-    missing = rows - tensor.shape[dim]
-    if missing == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[dim] = missing
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
-
-
-class _DraftLogProbs(nn.Module):
-    """hidden [R, H] -> draft log-probabilities [R, Vd] (the head's LM head over the draft vocabulary)."""
-
-    def __init__(self, head, lm_weight: torch.Tensor):
-        super().__init__()
-        self.head = head
-        self.register_buffer("lm_weight", lm_weight, persistent=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head.draft_logits(hidden, self.lm_weight).float().log_softmax(-1)
-
-
-class CompiledHeadParts:
-    """The head's matmul-heavy parts compiled per row bucket: the input projection, everything after
-    attention (the MLP block) and the draft LM head with its log-softmax. Attention over the head's
-    growing cache stays eager. Drafts are proposals only, so their numerics never touch exactness."""
-
-    def __init__(self, head, lm_weight: torch.Tensor, buckets: tuple[int, ...] = (4, 16)):
-        inductor_cache_dir()
-        # ([1, T, H], [1, T, F]) -> (attention input [1, T, In], residual [1, T, H]), target or draft features
-        self.inputs = {from_draft: RowBucketed(partial(head.inputs, from_draft=from_draft), buckets)
-                       for from_draft in (False, True)}
-        self.finish = RowBucketed(head.layer.finish, buckets)  # ([1, T, H], [1, T, H]) -> [1, T, H]
-        self.log_probs = RowBucketed(_DraftLogProbs(head, lm_weight).eval(), buckets)  # [R, H] -> [R, Vd]

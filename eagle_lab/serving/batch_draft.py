@@ -115,11 +115,11 @@ class HeadBatch:
         for row, sequence in enumerate(self.members):
             if sequence.done:
                 continue
-            drafter, own = sequence.drafter, HeadKVCache()
+            drafter = sequence.drafter
+            drafter.cache = drafter.new_cache()
             if drafter.committed:
-                own.keys = self.cache.keys[row: row + 1, :, :drafter.committed]
-                own.values = self.cache.values[row: row + 1, :, :drafter.committed]
-            drafter.cache = own
+                drafter.cache.load(self.cache.keys[row: row + 1, :, :drafter.committed],
+                                   self.cache.values[row: row + 1, :, :drafter.committed])
         self.drop()
 
     def drop(self) -> None:
@@ -137,7 +137,7 @@ class HeadBatch:
                 keys[row, :, :drafter.committed] = drafter.cache.keys[0, :, :drafter.committed]
                 values[row, :, :drafter.committed] = drafter.cache.values[0, :, :drafter.committed]
         self.cache = HeadKVCache()
-        self.cache.keys, self.cache.values = keys, values
+        self.cache.load(keys, values)
         self.members = list(sequences)
         self.gathers += 1
 
@@ -223,7 +223,7 @@ class HeadBatch:
 
     def _top_children(self, hidden: list[torch.Tensor], rows: list[Row]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """hidden: [n_i, H] per row -> per row (log-probs [n_i, k_i], target ids [n_i, k_i]) of each node's
-        top-k_i (EagleDrafter._top_children, its draft logits computed for all rows at once)."""
+        top-k_i (what EagleDrafter.runner returns for one sequence; draft logits for all rows at once)."""
         drafter = rows[0].drafter
         logits = self.head.draft_logits(torch.cat(hidden), drafter.lm_weight)  # [sum n_i, Vd]
         logp = logits.float().log_softmax(-1).split([h.shape[0] for h in hidden])

@@ -16,14 +16,13 @@ import copy
 from collections.abc import Callable
 
 from eagle_lab.draft import Drafter, EagleDrafter
-from eagle_lab.head import HeadKVCache
 from eagle_lab.ngram import NgramDrafter
 
 
 def fork_eagle(prototype: EagleDrafter) -> EagleDrafter:
     """A drafter sharing the prototype's head, shape and n-gram proposer, with fresh sequence state."""
     fork = copy.copy(prototype)  # shallow: module, target, shape, lm_weight, ngram shared
-    fork.cache = HeadKVCache()
+    fork.cache = prototype.new_cache()
     fork.committed = 0
     fork.last_candidates = None
     return fork

@@ -140,7 +140,7 @@ def measure_draft_costs(drafter: EagleDrafter, target: Target, topks, context: i
 
         def once():
             drafter.reset()
-            drafter._commit(sequence[:-3], feats[: context - 4])  # a committed prefix, as mid-generation
+            drafter.feed(sequence[:-3], feats[: context - 4])  # a committed prefix, as mid-generation
             drafter.draft(sequence, feats[context - 4: context - 1], max_depth=depth)
 
         once()
@@ -158,7 +158,7 @@ def measure_draft_costs(drafter: EagleDrafter, target: Target, topks, context: i
 
     def commit_only():
         drafter.reset()
-        drafter._commit(sequence[:-3], feats[: context - 4])
+        drafter.feed(sequence[:-3], feats[: context - 4])
 
     prefix_ms = timed(commit_only)
     drafter.shape = original

@@ -1,0 +1,125 @@
+"""The draft head's step over a preallocated KV cache, run eagerly or compiled per row bucket.
+
+One step feeds T rows (a round's new committed pairs, or one level's frontier) through the
+head and returns each row's predicted feature and its top-k draft tokens. Keys and values go
+into the head cache at given slots in place, so the shapes a compiled step sees are fixed:
+rows are padded to a bucket (padding rows write to the cache's last slot, which no row ever
+sees) and attention runs over the cache's whole capacity under an additive mask. On CPU the
+step is compiled with the same inductor settings as the target's (frozen weights, C++ GEMM
+template): the head's skinny matmuls then run at the memory floor, and one graph replaces the
+dozens of small eager kernels a step is made of. Drafts are proposals only: their numerics
+never touch exactness.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch._inductor.config
+import torch.nn.functional as F
+from torch import nn
+
+from eagle_lab.decoding.compiled import CPU_OPTIONS, inductor_cache_dir, raise_recompile_limits
+from eagle_lab.head import EagleHead, HeadKVCache
+
+log = logging.getLogger(__name__)
+ROW_BUCKETS = (4, 16)  # rows per compiled head step; more rows (a long prompt's first commit) run eagerly
+
+
+class HeadStep(nn.Module):
+    """(keys, values [1, kvH, C, D], written at `slots`), tokens [1, T], features [1, T, F], positions [1, T],
+    slots [T], mask [1, 1, T, C] additive -> hidden [1, T, H], top-k log-probs [T, k], top-k draft ids [T, k]."""
+
+    def __init__(self, head: EagleHead, embed_tokens: nn.Module, rotary: nn.Module, lm_weight: torch.Tensor):
+        super().__init__()
+        self.head, self.embed_tokens, self.rotary = head, embed_tokens, rotary
+        self.register_buffer("lm_weight", lm_weight, persistent=False)  # [Vd, H]
+
+    def forward(self, keys, values, tokens, features, positions, slots, mask, k: int, from_draft: bool):
+        rows = tokens.shape[1]
+        attention = self.head.layer.self_attn
+        embeds = self.embed_tokens(tokens)  # [1, T, H]
+        cos, sin = self.rotary(embeds, positions)  # [1, T, D] each
+        attn_in, residual = self.head.inputs(embeds, features, from_draft)  # [1, T, In], [1, T, H]
+        query, key, value = attention.project(attn_in, cos, sin)  # [1, nH, T, D], [1, kvH, T, D] x2
+        keys.index_copy_(2, slots, key)
+        values.index_copy_(2, slots, value)
+        out = F.scaled_dot_product_attention(query, attention.expand_kv(keys), attention.expand_kv(values),
+                                             attn_mask=mask)  # [1, nH, T, D]
+        hidden = self.head.layer.finish(residual, attention.o_proj(out.transpose(1, 2).reshape(1, rows, -1)))
+        logp = self.head.draft_logits(hidden[0], self.lm_weight).float().log_softmax(-1)  # [T, Vd]
+        top = logp.topk(k, dim=-1)
+        return hidden, top.values, top.indices
+
+
+class HeadStepRunner:
+    """Runs `HeadStep` for one drafter: eagerly over the cache's filled part, or compiled over its whole
+    capacity with rows padded to a bucket (one graph per bucket, k, feature source and capacity)."""
+
+    def __init__(self, head: EagleHead, embed_tokens: nn.Module, rotary: nn.Module, lm_weight: torch.Tensor,
+                 compiled: bool, buckets: tuple[int, ...] = ROW_BUCKETS):
+        self.module = HeadStep(head, embed_tokens, rotary, lm_weight).eval()
+        self.compiled, self.buckets = compiled, tuple(sorted(buckets))
+        self._graphs: set[tuple] = set()
+        self._fn = self.module
+        if compiled:
+            inductor_cache_dir()
+            raise_recompile_limits()
+            self._fn = torch.compile(self.module, dynamic=False)
+
+    def bucket(self, rows: int) -> int | None:
+        """The compiled row count for `rows`, or None to run eagerly."""
+        if not self.compiled:
+            return None
+        return next((b for b in self.buckets if b >= rows), None)
+
+    @torch.no_grad()
+    def __call__(self, cache: HeadKVCache, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                 visible: torch.Tensor, k: int, from_draft: bool):
+        """tokens, positions [T]; features [T, F]; visible [T, cache.length + T] bool: which of the filled
+        slots and of these rows each row attends to. The rows go to slots length .. length + T, and the
+        cache's length moves past them. -> hidden [T, H], top-k log-probs [T, k], top-k draft ids [T, k]."""
+        rows, start = tokens.shape[0], cache.length
+        bucket = self.bucket(rows)
+        padded = bucket or rows
+        cache.reserve(start + padded + 1, like=self.module.head.fc.weight, arch=self.module.head.arch)
+        width = cache.capacity if bucket else start + rows  # attention runs over [0, width)
+        scratch = cache.capacity - 1  # padding rows write here; it is never visible
+        slots = torch.full((padded,), scratch, dtype=torch.long, device=tokens.device)
+        slots[:rows] = torch.arange(start, start + rows, device=tokens.device)
+        allowed = torch.zeros(padded, width, dtype=torch.bool, device=tokens.device)
+        allowed[:rows, :start + rows] = visible
+        allowed[rows:, scratch if bucket else 0] = True  # padding rows attend to something (no empty softmax)
+        dtype = features.dtype
+        mask = torch.zeros(padded, width, dtype=dtype, device=tokens.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        args = (cache.key_buffer[:, :, :width], cache.value_buffer[:, :, :width],
+                _pad(tokens, padded)[None], _pad(features, padded)[None], _pad(positions, padded)[None], slots,
+                mask[None, None], k, from_draft)
+        hidden, top_logp, top_ids = self._run(args, (padded, width, k, from_draft) if bucket else None)
+        cache.length = start + rows
+        return hidden[0, :rows], top_logp[:rows], top_ids[:rows]
+
+    def _run(self, args, key: tuple | None):
+        if key is None:
+            return self.module(*args)
+        settings = CPU_OPTIONS if args[2].device.type == "cpu" else {}
+        with torch._inductor.config.patch(settings):
+            if key in self._graphs:
+                return self._fn(*args)
+            start = time.perf_counter()
+            out = self._fn(*args)
+        self._graphs.add(key)
+        log.info("compiled the head step for %d rows over a %d-slot cache in %.0f s", key[0], key[1],
+                 time.perf_counter() - start)
+        return out
+
+
+def _pad(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero rows appended along dim 0 up to `rows`."""
+    missing = rows - tensor.shape[0]
+    if missing == 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((missing, *tensor.shape[1:]))])
