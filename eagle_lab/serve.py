@@ -10,7 +10,6 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from eagle_lab.benchmark.run import run_bench
 from eagle_lab.builders import build_decoder, make_drafter, make_generator, ngram_proposer
 from eagle_lab.cli import run_entry
 from eagle_lab.config import ServeConfig, register_configs, to_object
@@ -19,7 +18,6 @@ from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper
 from eagle_lab.prompts import as_tensor, encode_prompt, read_prompts_file
 from eagle_lab.sampling import SamplingParams
-from eagle_lab.serving.server import run_server
 from eagle_lab.target import load_target
 from eagle_lab.text_stream import NullOut, TextStream
 
@@ -53,9 +51,13 @@ def run(raw: DictConfig) -> None:
     cfg: ServeConfig = to_object(raw, ServeConfig)
     params = validate(cfg)
     if cfg.mode == "bench":
+        from eagle_lab.benchmark.run import run_bench  # imported per mode: each costs seconds at startup
+
         run_bench(cfg)
         return
     if cfg.mode == "server":  # OpenAI-compatible HTTP server (eagle_lab/serving/)
+        from eagle_lab.serving.server import run_server
+
         run_server(cfg)
         return
     prompts = gather_prompts(cfg)

@@ -18,6 +18,8 @@ from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats
 from eagle_lab.target import TargetConfig
 
+pytestmark = pytest.mark.slow  # every test here runs whole benches (tens of seconds each)
+
 PROMPTS = ["Tell me about the sea.", "def add(a, b):", "Count: one two three four"]
 
 

@@ -119,6 +119,7 @@ def test_status_reports_what_is_on_disk(target, tmp_path, capsys):
     assert "train 1/3 shards" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_training_sizes_share_one_capture_and_never_see_the_heldout_tail(tmp_path):
     from test_train import smoke_cfg
 
@@ -213,6 +214,7 @@ def test_scaling_report_compares_mtbench_on_the_same_prompt_count(tmp_path):
         assert [row.rsplit("| ", 1)[1].rstrip(" |") for row in rows] == expected
 
 
+@pytest.mark.slow
 def test_capture_only_cli_captures_and_trains_nothing(tmp_path):
     from test_train import run_script
 

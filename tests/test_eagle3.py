@@ -1,5 +1,6 @@
 """EAGLE-3 heads: lossless in the same tree and verifier, and trainable end to end."""
 
+import pytest
 import torch
 
 from eagle_lab.draft import EagleDrafter, TreeShape
@@ -36,6 +37,7 @@ def test_eagle3_save_load_roundtrip(tiny_llama, tmp_path):
         assert torch.equal(value, loaded.state_dict()[key]), key
 
 
+@pytest.mark.slow
 def test_eagle3_sampling_matches_target():
     target = small_vocab_target()
     params = SamplingParams(temperature=1.0, top_k=4)

@@ -33,6 +33,7 @@ def test_default_target_shape(smollm2):
     assert 2 in smollm2.eos_token_ids
 
 
+@pytest.mark.slow
 def test_eagle_greedy_equals_plain_greedy(smollm2):
     head = build_head(HeadConfig(), smollm2)  # the packaged head when there is one
     drafter = EagleDrafter(head, smollm2, TreeShape(depth=4, topk=4, total_tokens=12))

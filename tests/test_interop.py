@@ -308,6 +308,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_exports_and_refuses_with_one_line(tiny_llama, tmp_path):
     head = new_head(tiny_llama, kind="eagle3", draft_vocab_ids=torch.arange(0, 259, 4), seed=3)
     head_dir = save_head(head, tmp_path / "run" / "head")

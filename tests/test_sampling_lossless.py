@@ -145,6 +145,7 @@ def sampled_sequences(target, drafter, prompt, params, length: int, samples: int
     SamplingParams(temperature=0.7, top_k=3),
     SamplingParams(temperature=1.0, top_p=0.8),
 ], ids=["t1", "t0.7-topk3", "topp0.8"])
+@pytest.mark.slow
 def test_speculative_sampling_matches_target(params):
     target = small_vocab_target()
     prompt = torch.tensor([1, 4, 2, 0])
@@ -157,6 +158,7 @@ def test_speculative_sampling_matches_target(params):
     assert chi_square_pvalue(counts, expected, samples) > ALPHA
 
 
+@pytest.mark.slow
 def test_eagle_drafter_sampling_matches_target():
     """The real EAGLE drafter (random head: on 5 tokens it is right often enough)."""
     from eagle_lab.draft import EagleDrafter, TreeShape
@@ -288,6 +290,7 @@ LOOP_PROMPT = torch.tensor([1, 4, 2, 0, 3, 1, 4, 2, 0, 3, 1, 4])
 LOOP_PARAMS, LOOP_LENGTH = SamplingParams(temperature=0.9), 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle+ngram", "ngram"])
 def test_ngram_drafting_sampling_matches_target(kind):
     samples = 3000
@@ -297,6 +300,7 @@ def test_ngram_drafting_sampling_matches_target(kind):
     assert chi_square_pvalue(counts, expected, samples) > ALPHA
 
 
+@pytest.mark.slow
 def test_whole_loop_rejects_the_wrong_rule_for_ngram_nodes(monkeypatch):
     """The same loop and test with certain_proposal_rule verifying trees that hold n-gram nodes."""
     import eagle_lab.decoding.round

@@ -15,6 +15,8 @@ from eagle_lab.head_kinds import new_head
 from eagle_lab.target import TargetConfig, load_target
 from eagle_lab.tiny import TinyModelConfig
 
+pytestmark = pytest.mark.slow  # every test here starts serve.py in a process of its own
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -123,6 +123,7 @@ def test_padded_mask_sees_own_past_and_ancestors_only():
     assert seen[1] == [[1, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 1, 0, 1]]  # padding past unseen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batched_drafting", [False, True], ids=["drafting-alone", "drafting-batched"])
 def test_sampling_at_batch_four_keeps_the_target_distribution(batched_drafting):
     """Four sequences per forward (two prompts of different lengths, each row its own seed),

@@ -38,6 +38,7 @@ def request(client: openai.OpenAI, kind: str, prompt: str) -> list[int]:
     return got.eagle_lab["token_ids"]
 
 
+@pytest.mark.slow
 def test_concurrent_clients_with_bad_ones_in_the_middle(tmp_path):
     common = [*TINY, f"max_new_tokens={MAX_TOKENS}", "ignore_eos=true"]
     expected = {

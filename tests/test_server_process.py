@@ -22,6 +22,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from tests.serving_helpers import TINY, RunningServer, composed, reference, serve_config
 
+pytestmark = pytest.mark.slow  # every test here starts a server process
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -164,6 +164,7 @@ def run_script(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           env=env)
 
 
+@pytest.mark.slow
 def test_smoke_trains_exports_and_serves_losslessly(tmp_path):
     run_dir = tmp_path / "smoke"
     done = run_script("train.py", "experiment=smoke", f"hydra.run.dir={run_dir}",
@@ -196,6 +197,7 @@ def test_smoke_trains_exports_and_serves_losslessly(tmp_path):
     assert "head card: eagle2 for tiny_llama" in served.stderr
 
 
+@pytest.mark.slow
 def test_sweep_runs_one_job_per_point(tmp_path):
     done = run_script("train.py", "-m", "experiment=smoke", "optim.lr=1e-4,3e-4", "trainer.max_steps=3",
                       f"trainer.features_dir={tmp_path / 'features'}", f"hydra.sweep.dir={tmp_path / 'sweep'}")

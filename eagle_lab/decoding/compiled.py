@@ -22,7 +22,6 @@ import shutil
 import time
 
 import torch
-import torch._inductor.config
 from torch import nn
 
 from eagle_lab.embedded import cache_root
@@ -43,9 +42,17 @@ def inductor_cache_dir() -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
+def inductor_settings(settings: dict):
+    """A context with inductor's config patched. Inductor is imported here, on first use: importing it
+    costs 1.5 s, which a process that never compiles should not pay."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(settings)
+
+
 def raise_recompile_limits(graphs: int = 64) -> None:
     """Let dynamo keep one graph per bucket and capacity instead of falling back to eager after 8."""
-    dynamo = torch._dynamo.config
+    import torch._dynamo.config as dynamo
     for limit in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo, limit):
             setattr(dynamo, limit, max(getattr(dynamo, limit), graphs))
@@ -112,7 +119,7 @@ class StepCompiler:
         key = (cache.capacity, input_ids.shape[1], layer_ids)
         if not self.compiled:
             return self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
-        with torch._inductor.config.patch(self._settings):
+        with inductor_settings(self._settings):
             if key in self._graphs:
                 return self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
             return self._first_call(key, cache, input_ids, positions, mask, layer_ids)

@@ -17,11 +17,10 @@ import logging
 import time
 
 import torch
-import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_lab.decoding.compiled import CPU_OPTIONS, inductor_cache_dir, raise_recompile_limits
+from eagle_lab.decoding.compiled import CPU_OPTIONS, inductor_cache_dir, inductor_settings, raise_recompile_limits
 from eagle_lab.head import EagleHead, HeadKVCache
 
 log = logging.getLogger(__name__)
@@ -106,7 +105,7 @@ class HeadStepRunner:
         if key is None:
             return self.module(*args)
         settings = CPU_OPTIONS if args[2].device.type == "cpu" else {}
-        with torch._inductor.config.patch(settings):
+        with inductor_settings(settings):
             if key in self._graphs:
                 return self._fn(*args)
             start = time.perf_counter()

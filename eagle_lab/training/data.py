@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import datasets
-
 from eagle_lab.errors import EagleLabError
 from eagle_lab.packages import package_data_file
 from eagle_lab.training.regenerate import RegenerateConfig
@@ -277,7 +275,7 @@ Rewrite = Callable[[list[list[dict[str, str]]]], tuple[list[list[dict[str, str]]
 
 def build_datasets(
     cfg: DataConfig, tokenizer: Any, rewrite: Rewrite | None = None
-) -> tuple[datasets.Dataset, datasets.Dataset, DataStats]:
+) -> tuple["datasets.Dataset", "datasets.Dataset", DataStats]:
     """Tokenized train and eval datasets (columns input_ids, loss_mask) and their stats.
 
     rewrite: conversations -> (new conversations, number dropped), applied before tokenizing
@@ -297,6 +295,8 @@ def build_datasets(
     def tokenize(row: dict) -> dict:
         input_ids, loss_mask = tokenize_conversation(tokenizer, row["messages"], cfg.max_length)
         return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+    import datasets  # imported here: it costs half a second at every start, and only training reads it
 
     table = datasets.Dataset.from_list([{"messages": messages} for messages in conversations])
     # A fixed fingerprint spares hashing the tokenizer; in-memory tables write no cache files.

@@ -14,7 +14,7 @@ class TreeSearchConfig:
     probe_shape: tuple[int, int, int] = (2, 2, 4)  # a small shape, timed to fit the overhead's slope
     new_tokens: int = 48
     context: int = 256
-    validate_new_tokens: int = 128  # per prompt when the best shapes are timed against plain decoding
+    validate_new_tokens: int = 64  # per prompt when the best shapes are timed against plain decoding
 
 
 @dataclass
