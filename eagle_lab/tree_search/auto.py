@@ -99,6 +99,7 @@ def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig
               "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search)}
     if backend is not None and getattr(backend, "name", "eager") != "eager":  # costs differ per backend
         fields["backend"] = {"name": backend.name, "buckets": list(getattr(backend, "buckets", [])),
+                             "target_costs": "every size",
                              "head_step": "compiled" if drafter.runner.compiled else "eager"}
     if ngram is not None:  # only then: summaries cached without n-gram stay valid
         fields["ngram"] = {**asdict(ngram), "lengths": ngram_lengths(ngram), "priced": "timed-ngram-rounds"}

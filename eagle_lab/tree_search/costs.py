@@ -83,15 +83,19 @@ class CostModel:
         return self.target(shape.total_tokens + extra + 1) + draft
 
 
+def _synchronize() -> None:
+    """Wait for queued GPU work, so that a wall-clock interval holds what it times."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn, reps: int = 3) -> float:
     times = []
     for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _synchronize()
         start = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _synchronize()
         times.append(1000 * (time.perf_counter() - start))
     return statistics.median(times)
 
@@ -99,9 +103,13 @@ def timed(fn, reps: int = 3) -> float:
 @torch.no_grad()
 def measure_target_costs(target: Target, context: int, grid=K_GRID, backend: Backend | None = None) -> dict[int, float]:
     """ms to score k tokens (a tree's forward and its logits) after `context` cached ones, through the
-    backend the decoding loop uses (static backends: sizes up to the largest bucket)."""
+    backend the decoding loop uses (static backends: every size up to the largest bucket, since a
+    5-token tree costs what the 8-token bucket costs, which no interpolation between 4 and 8 gives)."""
     backend = backend or EagerBackend(target)
-    grid = [k for k in grid if k <= largest_tree(backend, max(grid))]
+    largest = largest_tree(backend, max(grid))
+    if getattr(backend, "buckets", None):  # bucketed: cost jumps at bucket edges, so time every size
+        grid = range(1, largest + 1)
+    grid = [k for k in grid if k <= largest]
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
     scorer = backend.open(context, 16)
@@ -129,41 +137,38 @@ def largest_tree(backend: Backend | None, default: int) -> int:
 
 @torch.no_grad()
 def measure_draft_costs(drafter: EagleDrafter, target: Target, topks, context: int) -> tuple[float, dict[int, float]]:
+    """-> (ms of a depth-1 draft: feeding a round's accepted pairs and the root's top-k, the median over
+    topks; per k, ms per further tree level). Only draft() is timed: the committed prefix it starts
+    from is fed beforehand, so its cost (which varies more than a level costs) never enters."""
     g = torch.Generator().manual_seed(1)
     sequence = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
     out = target.forward(sequence[None], layer_ids=drafter.feature_layers)
     feats = (out.layer_features if out.layer_features is not None else out.features)[0]  # [T, F]
     original = drafter.shape
 
-    def draft(depth: int, k: int) -> float:
+    def draft(depth: int, k: int, reps: int = 5) -> float:
         drafter.shape = TreeShape(depth, k, k * depth)
-
-        def once():
+        times = []
+        for _ in range(reps + 1):  # the first is a warm-up (and, compiled, the graphs' first call)
             drafter.reset()
             drafter.feed(sequence[:-3], feats[: context - 4])  # a committed prefix, as mid-generation
+            _synchronize()
+            start = time.perf_counter()
             drafter.draft(sequence, feats[context - 4: context - 1], max_depth=depth)
-
-        once()
-        return timed(once)
+            _synchronize()
+            times.append(1000 * (time.perf_counter() - start))
+        return statistics.median(times[1:])
 
     first, levels = [], {}
-    for k in topks:
-        one, three = draft(1, k), draft(3, k)
-        levels[k] = max((three - one) / 2, 0.0)
-        first.append(one)
-    drafter.shape = original
-    drafter.reset()
-    # the commit of the prefix was timed too: remove it by timing a depth-0 draft
-    drafter.shape = TreeShape(0, 1, 0)
-
-    def commit_only():
+    try:
+        for k in topks:
+            one, three = draft(1, k), draft(3, k)
+            levels[k] = max((three - one) / 2, 0.0)
+            first.append(one)
+    finally:
+        drafter.shape = original
         drafter.reset()
-        drafter.feed(sequence[:-3], feats[: context - 4])
-
-    prefix_ms = timed(commit_only)
-    drafter.shape = original
-    drafter.reset()
-    return max(statistics.median(first) - prefix_ms, 0.0), levels
+    return statistics.median(first), levels
 
 
 def timed_rounds(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
