@@ -232,3 +232,14 @@ def test_auto_tree_with_ngram_calibrates_separately(tmp_path):
     plain = EagleDrafter(new_head(target, seed=1), target, TreeShape(4, 4, 12))
     auto_tree(target, plain, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path)
     assert len(list(tmp_path.glob("*.json"))) == 2 and plain.ngram is None  # cached apart from the hybrid's
+
+
+def test_a_bucketed_backend_is_timed_at_every_size(tiny_llama):
+    """A static backend pads N tokens to a bucket, so N=5 costs what 8 costs: no size may be
+    interpolated from its neighbours."""
+    from eagle_lab.decoding.backend import StaticBackend
+    from eagle_lab.tree_search.costs import measure_target_costs
+
+    costs = measure_target_costs(tiny_llama, 16, backend=StaticBackend(tiny_llama, [4, 8], 64))
+    assert sorted(costs) == list(range(1, 9))
+    assert all(ms > 0 for ms in costs.values())
