@@ -88,10 +88,8 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
 def eagle_drafter(head: EagleHead, target: Target, shape: TreeShape, ngram: NgramProposer | None,
                    backend: Backend | None) -> EagleDrafter:
     """The head compiles when the target does; its cache is sized like the backend's static caches."""
-    drafter = EagleDrafter(head, target, shape, ngram, compiled=getattr(backend, "compiled", False))
-    drafter.cache_capacity = getattr(backend, "min_capacity", 0)
-    drafter.reset()
-    return drafter
+    return EagleDrafter(head, target, shape, ngram, compiled=getattr(backend, "compiled", False),
+                        cache_capacity=getattr(backend, "min_capacity", 0))
 
 
 def ngram_proposer(cfg: NgramConfig) -> NgramProposer:

@@ -74,14 +74,14 @@ class Drafter(Protocol):
 
 class EagleDrafter:
     def __init__(self, head: EagleHead, target: Target, shape: TreeShape, ngram: NgramProposer | None = None,
-                 compiled: bool = False):
+                 compiled: bool = False, cache_capacity: int = 0):
         self.head, self.target, self.shape = head.eval(), target, shape
         self.ngram = ngram  # hybrid drafting: an n-gram chain merged into every tree (None: off)
         self.rotary = target.backbone.rotary_emb
         self.lm_weight = draft_lm_head_weight(head, target)  # [Vd, H]
         # the head step over the head's cache, compiled per row bucket when compiled=True (shared by forks)
         self.runner = HeadStepRunner(self.head, target.backbone.embed_tokens, self.rotary, self.lm_weight, compiled)
-        self.cache_capacity = 0  # head cache slots preallocated per sequence (a static backend's reserve)
+        self.cache_capacity = cache_capacity  # head cache slots preallocated per sequence (a static backend's reserve)
         self.cache = self.new_cache()
         self.committed = 0  # pairs in the head cache that belong to the committed sequence
         self.last_candidates: Candidates | None = None
@@ -158,14 +158,15 @@ class EagleDrafter:
         self._commit(sequence, new_features, 1)
 
     def _commit(self, sequence: torch.Tensor, new_features: torch.Tensor, k: int):
-        """Feed the unseen pairs (feature_t, token_{t+1}) -> hidden [P, H] and each one's top-k draft
-        log-probs and draft ids [P, k]."""
+        """Feed the unseen pairs (feature_t, token_{t+1}) -> hidden [P, H] and the top-k draft log-probs
+        and draft ids of at least the last pair, which comes last ([<= P, k])."""
         self.cache.crop(self.committed)  # forget last round's frontier entries
         count = new_features.shape[0]
         device = sequence.device
         visible = torch.ones(count, self.committed + count, dtype=torch.bool, device=device)
         visible[:, self.committed:] = torch.ones(count, count, dtype=torch.bool, device=device).tril()  # causal
         positions = torch.arange(self.committed, self.committed + count, device=device)
-        out = self.runner(self.cache, sequence[-count:], new_features, positions, visible, k, from_draft=False)
+        out = self.runner(self.cache, sequence[-count:], new_features, positions, visible, k, from_draft=False,
+                          last_only=True)
         self.committed += count
         return out

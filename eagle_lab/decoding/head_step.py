@@ -36,7 +36,9 @@ class HeadStep(nn.Module):
         self.head, self.embed_tokens, self.rotary = head, embed_tokens, rotary
         self.register_buffer("lm_weight", lm_weight, persistent=False)  # [Vd, H]
 
-    def forward(self, keys, values, tokens, features, positions, slots, mask, k: int, from_draft: bool):
+    def forward(self, keys, values, tokens, features, positions, slots, mask, k: int, from_draft: bool,
+                last_only: bool = False):
+        """last_only: top-k of the last row alone (an eager prompt commit reads nothing else)."""
         rows = tokens.shape[1]
         attention = self.head.layer.self_attn
         embeds = self.embed_tokens(tokens)  # [1, T, H]
@@ -48,7 +50,8 @@ class HeadStep(nn.Module):
         out = F.scaled_dot_product_attention(query, attention.expand_kv(keys), attention.expand_kv(values),
                                              attn_mask=mask)  # [1, nH, T, D]
         hidden = self.head.layer.finish(residual, attention.o_proj(out.transpose(1, 2).reshape(1, rows, -1)))
-        logp = self.head.draft_logits(hidden[0], self.lm_weight).float().log_softmax(-1)  # [T, Vd]
+        scored = hidden[0, -1:] if last_only else hidden[0]  # [T or 1, H]
+        logp = self.head.draft_logits(scored, self.lm_weight).float().log_softmax(-1)  # [T or 1, Vd]
         top = logp.topk(k, dim=-1)
         return hidden, top.values, top.indices
 
@@ -76,10 +79,11 @@ class HeadStepRunner:
 
     @torch.no_grad()
     def __call__(self, cache: HeadKVCache, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                 visible: torch.Tensor, k: int, from_draft: bool):
+                 visible: torch.Tensor, k: int, from_draft: bool, last_only: bool = False):
         """tokens, positions [T]; features [T, F]; visible [T, cache.length + T] bool: which of the filled
         slots and of these rows each row attends to. The rows go to slots length .. length + T, and the
-        cache's length moves past them. -> hidden [T, H], top-k log-probs [T, k], top-k draft ids [T, k]."""
+        cache's length moves past them. -> hidden [T, H], top-k log-probs [T, k], top-k draft ids [T, k]
+        (last_only: the top-k of at least the last row, which comes last)."""
         rows, start = tokens.shape[0], cache.length
         bucket = self.bucket(rows)
         padded = bucket or rows
@@ -96,7 +100,7 @@ class HeadStepRunner:
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         args = (cache.key_buffer[:, :, :width], cache.value_buffer[:, :, :width],
                 _pad(tokens, padded)[None], _pad(features, padded)[None], _pad(positions, padded)[None], slots,
-                mask[None, None], k, from_draft)
+                mask[None, None], k, from_draft, last_only and not bucket)
         hidden, top_logp, top_ids = self._run(args, (padded, width, k, from_draft) if bucket else None)
         cache.length = start + rows
         return hidden[0, :rows], top_logp[:rows], top_ids[:rows]
