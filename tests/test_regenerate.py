@@ -11,7 +11,13 @@ import torch
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, generate, vanilla_decode
 from eagle_lab.sampling import SamplingParams
-from eagle_lab.training.regenerate import RegenerateConfig, ReplyWriter, chunk_order, regenerate_conversations
+from eagle_lab.training.regenerate import (
+    RegenerateConfig,
+    ReplyWriter,
+    chunk_order,
+    regenerate_conversations,
+    regenerated_pool,
+)
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
@@ -73,19 +79,19 @@ def test_turns_follow_the_conversation_and_stop_at_a_cut_reply(tiny_llama):
 def test_chunks_are_cached_and_a_killed_run_redoes_only_the_missing_one(tiny_llama, tmp_path):
     conversations = CONVERSATIONS * 3  # 9 conversations, chunks of 4 -> 3 chunks
     writer = ScriptedWriter(tiny_llama, [(f"r{i}", True) for i in range(9)], batch_size=4)
-    first, dropped = regenerate_conversations(writer, conversations, tmp_path)
-    assert dropped == 0 and len(first) == 9 and writer.calls == 3
+    first = regenerate_conversations(writer, conversations, tmp_path)
+    assert all(first) and len(first) == 9 and writer.calls == 3
     assert [c[0] for c in first] == [c[0] for c in conversations]  # original order kept
     assert sorted(c[-1]["content"] for c in first) == sorted(f"r{i}" for i in range(9))
 
     again = ScriptedWriter(tiny_llama, [], batch_size=4)
-    assert regenerate_conversations(again, conversations, tmp_path)[0] == first and again.calls == 0
+    assert regenerate_conversations(again, conversations, tmp_path) == first and again.calls == 0
 
     lost = tmp_path / "chunk-00001.json"
     indices = json.loads(lost.read_text())["indices"]
     lost.unlink()
     redo = ScriptedWriter(tiny_llama, [("new", True)] * len(indices), batch_size=4)
-    redone, _ = regenerate_conversations(redo, conversations, tmp_path)
+    redone = regenerate_conversations(redo, conversations, tmp_path)
     assert redo.calls == 1
     assert [i for i, c in enumerate(redone) if c[-1]["content"] == "new"] == sorted(indices)
 
@@ -123,7 +129,7 @@ def test_training_on_regenerated_replies_runs_end_to_end(tmp_path, monkeypatch):
     recipe = Recipe(to_object(composed("train", overrides), TrainConfig))
     recipe.setup()
     recipe.train()
-    chunks = list((tmp_path / "cache" / "regenerated").glob("*/chunk-*.json"))
+    chunks = list((tmp_path / "cache" / "regenerated").glob("*/train/chunk-*.json"))
     assert len(chunks) == 2
     replies = [c[-1]["content"] for p in chunks for c in json.loads(p.read_text())["conversations"] if c]
     assert replies
@@ -139,3 +145,60 @@ def test_sampled_replies_repeat_per_seed_and_leave_the_global_rng_alone(tiny_lla
     assert torch.equal(torch.rand(3), expected)  # training's random stream is unchanged
     assert writer.rewrite(CONVERSATIONS, seed=1) == first
     assert writer.rewrite(CONVERSATIONS, seed=2) != first
+
+
+def test_chunks_stay_inside_blocks_so_a_bigger_size_reuses_them():
+    conversations = [[{"role": "user", "content": "x" * n}, {"role": "assistant", "content": "y"}]
+                     for n in (50, 1, 40, 2, 30, 3)]
+    assert chunk_order(conversations, 2, block=4) == [[1, 3], [2, 0], [5, 4]]
+    assert chunk_order(conversations[:5], 2, block=4)[:2] == chunk_order(conversations, 2, block=4)[:2]
+
+
+def test_a_chunk_written_for_other_conversations_is_written_again(tiny_llama, tmp_path):
+    short = ScriptedWriter(tiny_llama, [("a", True)] * 3, batch_size=4, block_conversations=4)
+    regenerate_conversations(short, CONVERSATIONS, tmp_path)  # the last block ends early: chunk 0 holds 3
+    longer = ScriptedWriter(tiny_llama, [("b", True)] * 6, batch_size=4, block_conversations=4)
+    rewritten = regenerate_conversations(longer, CONVERSATIONS * 2, tmp_path)
+    assert longer.calls == 2 and [c[-1]["content"] for c in rewritten] == ["b"] * 6
+
+
+def test_pool_is_the_rewritten_prefix_in_whole_blocks_plus_the_heldout_tail():
+    conversations = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}] for i in range(20)]
+    asked = []
+
+    def rewrite(convs, split):
+        asked.append((split, [c[0]["content"] for c in convs]))
+        return [None if c[0]["content"] in ("q1", "q18") else [*c[:1], {"role": "assistant", "content": "t"}]
+                for c in convs]
+
+    pool, held, count, dropped = regenerated_pool(rewrite, conversations, held=4, count=5, block=4)
+    assert asked == [("train", [f"q{i}" for i in range(8)]), ("eval", ["q16", "q17", "q18", "q19"])]
+    assert [c[0]["content"] for c in pool] == [f"q{i}" for i in (0, 2, 3, 4, 5, 6, 7, 16, 17, 19)]
+    assert (held, count, dropped) == (3, 4, 2)  # q1 of the first 5 and q18 of the tail dropped
+
+
+def test_self_distilled_corpus_holds_out_the_targets_replies_to_the_tail(tmp_path, monkeypatch):
+    from test_train import smoke_cfg
+
+    from eagle_lab.training.trainer import Recipe
+
+    monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "convs.jsonl"
+    convs = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "from elsewhere"}]
+             for i in range(30)]
+    data.write_text("\n".join(json.dumps({"messages": c}) for c in convs))
+    common = ("data=file", f"data.path={data}", "data.eval_conversations=6", "data.shard_conversations=8",
+              "trainer.epochs=1", "trainer.max_steps=1000", "data.regenerate.enabled=true",
+              "data.regenerate.max_new_tokens=8", "data.regenerate.batch_size=4",
+              "data.regenerate.block_conversations=8", f"trainer.features_dir={tmp_path / 'features'}")
+    recipe = Recipe(smoke_cfg(tmp_path / "run", *common, "data.num_conversations=10"))
+    recipe.setup()
+    assert len(recipe.train_source) == 10 and len(recipe.eval_source) == 6
+    regenerated = next((tmp_path / "cache" / "regenerated").iterdir())
+    assert len(list((regenerated / "train").glob("chunk-*.json"))) == 4  # 16 conversations: 2 whole blocks
+    tail = [c for p in sorted((regenerated / "eval").glob("chunk-*.json"))
+            for c in json.loads(p.read_text())["conversations"]]
+    assert sorted(c[0]["content"] for c in tail) == [f"question {i}" for i in range(24, 30)]
+    assert all(c[-1]["content"] != "from elsewhere" for c in tail)
+    text = recipe.target.tokenizer.decode(recipe.eval_source.store[0].input_ids.tolist())
+    assert "question 24" in text and "from elsewhere" not in text

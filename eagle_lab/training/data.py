@@ -270,7 +270,7 @@ def load_conversations(cfg: DataConfig) -> tuple[list[list[dict[str, str]]], Dat
     return conversations, stats
 
 
-Rewrite = Callable[[list[list[dict[str, str]]]], tuple[list[list[dict[str, str]]], int]]
+Rewrite = Callable[[list[list[dict[str, str]]], str], list[list[dict[str, str]] | None]]
 
 
 def build_datasets(
@@ -278,14 +278,16 @@ def build_datasets(
 ) -> tuple["datasets.Dataset", "datasets.Dataset", DataStats]:
     """Tokenized train and eval datasets (columns input_ids, loss_mask) and their stats.
 
-    rewrite: conversations -> (new conversations, number dropped), applied before tokenizing
-    (self-distillation, `data.regenerate`).
+    rewrite: (conversations, split name) -> the conversations rewritten (None: dropped), applied
+    before tokenizing (self-distillation, `data.regenerate`).
     """
     if not 0 <= cfg.eval_fraction < 1:
         raise EagleLabError(f"data.eval_fraction must be in [0, 1), got {cfg.eval_fraction}")
     conversations, stats = load_conversations(cfg)
     if conversations and rewrite is not None:
-        conversations, dropped = rewrite(conversations)
+        rewritten = rewrite(conversations, "train")
+        conversations = [c for c in rewritten if c]
+        dropped = len(rewritten) - len(conversations)
         if dropped:
             stats.skipped["no_regenerated_reply"] = dropped  # prompt over max_length, or empty reply
         stats.kept = len(conversations)

@@ -7,10 +7,12 @@ keeps each conversation's system and user turns and asks the target for every as
 (up to `max_turns`), feeding its own earlier replies back as history, as Medusa-2, EAGLE-3 and
 HASS do for their training sets.
 
-Work is cut into fixed chunks of `batch_size` conversations (similar prompt lengths, so little
-padding), one chunk per batched `generate` call per turn. Each finished chunk is written to its
-own JSON file under the cache, atomically, so a killed run resumes at the first missing chunk,
-and ranks share the chunks (chunk i belongs to rank i % world).
+Layout: the conversations are cut, in source order, into blocks of `block_conversations`; inside
+a block they are sorted by prompt length and cut into chunks of `batch_size` (little padding),
+one batched `generate` call per chunk and turn. A chunk's contents depend only on its block, so
+asking for more conversations later reuses every chunk already written. Each finished chunk is
+its own JSON file, written atomically: a killed run resumes at the first missing chunk, and
+ranks share the chunks (chunk i belongs to rank i % world).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from eagle_lab.embedded import cache_root
 from eagle_lab.errors import EagleLabError
 from eagle_lab.target import Target
 
@@ -43,27 +48,57 @@ class RegenerateConfig:
     top_p: float = 1.0
     max_turns: int = 1  # assistant replies regenerated per conversation; 0 = all of them
     batch_size: int = 32  # conversations per generate call
+    block_conversations: int = 512  # conversations sorted by length together (see the module docstring)
     seed: int = 0  # sampling seed (temperature > 0), offset by the chunk index
 
     def validate(self) -> None:
-        if self.max_new_tokens < 1 or self.batch_size < 1 or self.max_turns < 0:
-            raise EagleLabError("data.regenerate needs max_new_tokens >= 1, batch_size >= 1 and max_turns >= 0")
+        if self.max_new_tokens < 1 or self.batch_size < 1 or self.max_turns < 0 or self.block_conversations < 1:
+            raise EagleLabError("data.regenerate needs max_new_tokens >= 1, batch_size >= 1, max_turns >= 0 "
+                                "and block_conversations >= 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise EagleLabError(f"data.regenerate needs temperature >= 0 and 0 < top_p <= 1, got "
                                 f"temperature={self.temperature}, top_p={self.top_p}")
 
 
 def regenerate_key(target_name: str, source: dict, cfg: RegenerateConfig) -> str:
-    """Cache key: the target, where the conversations came from and how they are rewritten."""
-    blob = json.dumps({"target": target_name, "source": source, "regenerate": asdict(cfg)}, sort_keys=True)
+    """Cache key: the target (and its dtype, in `source`), where the conversations came from and
+    how they are rewritten; not how many, so every size shares one directory."""
+    settings = {k: v for k, v in asdict(cfg).items() if k != "enabled"}
+    blob = json.dumps({"target": target_name, "source": source, "regenerate": settings, "layout": 2}, sort_keys=True)
     return f"{target_name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
-def chunk_order(conversations: list[Messages], batch_size: int) -> list[list[int]]:
-    """Conversation indices grouped into chunks of `batch_size`, by first-prompt length."""
+Rewrite = Callable[[list[Messages], str], list[Messages | None]]  # (conversations, split name) -> rewritten
+
+
+def regenerated_pool(rewrite: Rewrite, conversations: list[Messages], held: int, count: int,
+                     block: int) -> tuple[list[Messages], int, int, int]:
+    """A feature corpus's pool for self-distillation: the held-out tail (the source's last `held`
+    conversations) and the first `count` (0 = all) training conversations, rewritten by the target.
+    The training part is rounded up to whole blocks, so a later, larger `count` reuses every chunk.
+
+    -> (training conversations kept + tail kept, tail kept, training kept of the first `count`, dropped).
+    """
+    train, tail = conversations[:-held], conversations[-held:]
+    count = count or len(train)
+    wanted = min(len(train), math.ceil(count / block) * block)
+    new_train = rewrite(train[:wanted], "train")
+    new_tail = [c for c in rewrite(tail, "eval") if c]
+    kept_of_count = sum(1 for c in new_train[:count] if c)
+    kept = [c for c in new_train if c]
+    dropped = sum(1 for c in new_train[:count] if not c) + held - len(new_tail)
+    return kept + new_tail, len(new_tail), kept_of_count, dropped
+
+
+def chunk_order(conversations: list[Messages], batch_size: int, block: int = 1 << 30) -> list[list[int]]:
+    """Conversation indices grouped into chunks of `batch_size` by first-prompt length, within
+    consecutive blocks of `block` conversations (a chunk never spans two blocks)."""
     first_prompt = [sum(len(m["content"]) for m in _opening(c)) for c in conversations]
-    order = sorted(range(len(conversations)), key=lambda i: (first_prompt[i], i))
-    return [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
+    chunks = []
+    for first in range(0, len(conversations), block):
+        order = sorted(range(first, min(first + block, len(conversations))), key=lambda i: (first_prompt[i], i))
+        chunks += [order[start: start + batch_size] for start in range(0, len(order), batch_size)]
+    return chunks
 
 
 def _opening(messages: Messages) -> Messages:
@@ -86,6 +121,7 @@ class ReplyWriter:
         self.model, self.tokenizer, self.cfg = target.model, tokenizer, cfg
         self.max_length, self.autocast = max_length, autocast
         self.eos_ids = target.eos_token_ids
+        self.generated_tokens = 0  # reply tokens written so far (progress lines)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def prompt_ids(self, history: Messages) -> list[int]:
@@ -115,6 +151,7 @@ class ReplyWriter:
             row = row[: self.max_length - len(prompt)]
             end = next((i for i, token in enumerate(row) if token in self.eos_ids), None)
             reply = row if end is None else row[:end]
+            self.generated_tokens += len(reply)
             results.append((self.tokenizer.decode(reply, skip_special_tokens=True).strip(), end is not None))
         return results
 
@@ -146,6 +183,30 @@ class ReplyWriter:
         return [h if any(m["role"] == "assistant" for m in h) else None for h in histories]
 
 
+class TargetRewrite:
+    """(conversations, split name) -> the conversations with the target's replies (None: dropped),
+    cached under `directory`/<split>."""
+
+    def __init__(self, writer: ReplyWriter, directory: Path, rank: int, world: int, barrier: Callable[[], None]):
+        self.writer, self.directory, self.rank, self.world, self.barrier = writer, directory, rank, world, barrier
+
+    def __call__(self, conversations: list[Messages], split: str) -> list[Messages | None]:
+        return regenerate_conversations(self.writer, conversations, self.directory / split, self.rank, self.world,
+                                        self.barrier)
+
+
+def target_rewrite(target: Target, data, rank: int = 0, world: int = 1, barrier: Callable[[], None] = lambda: None,
+                   autocast=contextlib.nullcontext) -> TargetRewrite:
+    """The rewrite for `data` (a DataConfig with regenerate enabled), cached under
+    <cache>/regenerated/<key>: the key holds the target and its dtype, the source and the settings."""
+    data.regenerate.validate()
+    source = {"source": data.source, "path": data.path, "max_length": data.max_length, "dtype": str(target.dtype)}
+    directory = cache_root() / "regenerated" / regenerate_key(target.name, source, data.regenerate)
+    log.info("regenerate: replies by the target, cached in %s", directory)
+    writer = ReplyWriter(target, data.regenerate, data.max_length, autocast=autocast)
+    return TargetRewrite(writer, directory, rank, world, barrier)
+
+
 def _write_json(path: Path, payload: dict) -> None:
     fd, staging = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -160,33 +221,74 @@ def regenerate_conversations(
     rank: int = 0,
     world: int = 1,
     barrier: Callable[[], None] = lambda: None,
-) -> tuple[list[Messages], int]:
-    """-> (rewritten conversations in their original order, how many were dropped).
+) -> list[Messages | None]:
+    """-> the rewritten conversations in their original order (None: dropped, its first prompt
+    leaves no room under max_length or its reply was empty).
 
     Chunks already under `directory` are reused; this rank writes its missing ones, then all
-    ranks wait at `barrier` and read every chunk.
+    ranks wait at `barrier` and read every chunk. A chunk file that holds other conversations
+    than its slot expects (written for a shorter, partial last block) is written again.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    chunks = chunk_order(conversations, writer.cfg.batch_size)
+    cfg = writer.cfg
+    chunks = chunk_order(conversations, cfg.batch_size, cfg.block_conversations)
     mine = [c for c in range(len(chunks)) if c % world == rank]
-    todo = [c for c in mine if not (directory / f"chunk-{c:05d}.json").is_file()]
+    todo = [c for c in mine if _read_chunk(directory, c, chunks[c]) is None]
     if len(todo) < len(mine) and rank == 0:
         log.info("regenerate: reusing %d of %d chunks already in %s", len(mine) - len(todo), len(mine), directory)
-    replies = sum(len(chunks[c]) for c in todo)
-    with tqdm(total=replies, desc="regenerate", unit="conv", disable=rank != 0 or not todo) as bar:
+    progress = RegenerateProgress(sum(len(chunks[c]) for c in todo), len(todo))
+    with tqdm(total=progress.conversations, desc="regenerate", unit="conv",
+              disable=rank != 0 or not todo) as bar:
         for c in todo:
-            rewritten = writer.rewrite([conversations[i] for i in chunks[c]], seed=writer.cfg.seed + c)
+            before = writer.generated_tokens
+            rewritten = writer.rewrite([conversations[i] for i in chunks[c]], seed=cfg.seed + c)
             _write_json(directory / f"chunk-{c:05d}.json", {"indices": chunks[c], "conversations": rewritten})
             bar.update(len(chunks[c]))
+            progress.add(len(chunks[c]), writer.generated_tokens - before)
+            if rank == 0:
+                log.info("regenerate: %s", progress.line())
     barrier()
-    by_index: dict[int, Messages | None] = {}
-    for c in range(len(chunks)):
-        path = directory / f"chunk-{c:05d}.json"
-        try:
-            payload = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
-            raise EagleLabError(f"regenerated chunk {path} is missing or unreadable ({err}); "
-                                "delete it to write it again") from err
-        by_index.update(zip(payload["indices"], payload["conversations"]))
-    kept = [by_index[i] for i in range(len(conversations)) if by_index.get(i)]
-    return kept, len(conversations) - len(kept)
+    rewritten_by_index: dict[int, Messages | None] = {}
+    for c, indices in enumerate(chunks):
+        payload = _read_chunk(directory, c, indices)
+        if payload is None:
+            raise EagleLabError(f"regenerated chunk {directory / f'chunk-{c:05d}.json'} is missing or unreadable; "
+                                "run again to write it")
+        rewritten_by_index.update(zip(indices, payload))
+    return [rewritten_by_index.get(i) or None for i in range(len(conversations))]
+
+
+def _read_chunk(directory: Path, c: int, indices: list[int]) -> list[Messages | None] | None:
+    """The conversations of chunk `c`, or None when it is not on disk (or holds other indices)."""
+    path = directory / f"chunk-{c:05d}.json"
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as err:
+        log.warning("regenerate: %s is unreadable (%s); writing it again", path, err)
+        return None
+    if payload.get("indices") != indices:
+        return None
+    return payload["conversations"]
+
+
+class RegenerateProgress:
+    """One line per chunk: conversations done, reply tokens per second, time left."""
+
+    def __init__(self, conversations: int, chunks: int):
+        self.conversations, self.chunks = conversations, chunks
+        self.done_conversations = self.done_chunks = self.tokens = 0
+        self.start = time.perf_counter()
+
+    def add(self, conversations: int, tokens: int) -> None:
+        self.done_conversations += conversations
+        self.done_chunks += 1
+        self.tokens += tokens
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.start
+        left = elapsed * (self.conversations - self.done_conversations) / max(self.done_conversations, 1)
+        return (f"chunk {self.done_chunks}/{self.chunks}, {self.done_conversations}/{self.conversations} "
+                f"conversations, {self.tokens / max(elapsed, 1e-9):.1f} reply tok/s, "
+                f"elapsed {elapsed / 60:.1f} min, ETA {left / 60:.1f} min")

@@ -37,7 +37,7 @@ from eagle_lab.training.draft_vocab import draft_vocabulary, supervised_counts
 from eagle_lab.training.engine import deepspeed_config, init_distributed, lr_lambda
 from eagle_lab.training.features import Example, ShardStore, capture, features_key
 from eagle_lab.training.losses import Batch, heldout_accuracy, training_loss
-from eagle_lab.training.regenerate import ReplyWriter, regenerate_conversations, regenerate_key
+from eagle_lab.training.regenerate import regenerated_pool, target_rewrite
 from eagle_lab.training.stop import GracefulStop
 
 log = logging.getLogger(__name__)
@@ -104,9 +104,8 @@ class Recipe:
             raise EagleLabError(f"unknown head kind '{cfg.head.kind}' (eagle2 or eagle3)")
         if cfg.data.eval_conversations < 0 or cfg.data.shard_conversations < 1:
             raise EagleLabError("data.eval_conversations must be >= 0 and data.shard_conversations >= 1")
-        if cfg.data.eval_conversations > 0 and (cfg.trainer.features != "offline" or cfg.data.regenerate.enabled):
-            raise EagleLabError("data.eval_conversations > 0 (the shared feature corpus) needs trainer.features=offline "
-                                "and data.regenerate.enabled=false")
+        if cfg.data.eval_conversations > 0 and cfg.trainer.features != "offline":
+            raise EagleLabError("data.eval_conversations > 0 (the shared feature corpus) needs trainer.features=offline")
 
     def _set_max_steps(self) -> None:
         """trainer.epochs > 0: as many steps as that many passes over the training set take."""
@@ -122,10 +121,14 @@ class Recipe:
         tail (eagle_lab.training.corpus); capture whatever of that is not on disk yet."""
         cfg, data = self.cfg, self.cfg.data
         conversations, stats = load_conversations(replace(data, num_conversations=0))
-        held = data.eval_conversations
+        held, count, rewrite = data.eval_conversations, data.num_conversations, self._rewrite()
+        if rewrite is not None:  # the target's own replies: the pool is the part rewritten so far
+            conversations, held, count, dropped = regenerated_pool(
+                rewrite, conversations, held, count, data.regenerate.block_conversations)
+            stats.skipped["no_regenerated_reply"] = dropped
         fingerprint = {"source": data.source, "path": data.path, "max_length": data.max_length,
                        "eval_conversations": held, "shard_conversations": data.shard_conversations,
-                       "dtype": str(self.target.dtype)}
+                       "dtype": str(self.target.dtype), "regenerate": rewrite.directory.name if rewrite else None}
         root = Path(cfg.trainer.features_dir) if cfg.trainer.features_dir else cache_root() / "features"
         directory = root / corpus_key(self.target.name, fingerprint)
         tokenize = lambda messages: tokenize_conversation(self.target.tokenizer, messages, data.max_length)  # noqa: E731
@@ -134,7 +137,7 @@ class Recipe:
         splits = {"train": corpus.train, "eval": corpus.eval}
         train_counts, eval_counts = corpus.train_counts, corpus.eval_counts
         pool = corpus.train.conversations
-        count = data.num_conversations or len(pool)
+        count = count or len(pool)
         if count > len(pool):
             raise EagleLabError(f"data.num_conversations={count}, but '{data.name}' has {len(pool)} usable "
                                 f"conversations besides the {held} held out (0 = all of them)")
@@ -162,18 +165,10 @@ class Recipe:
                 ExampleSource(self.target, None, evals, self.layer_ids))
 
     def _rewrite(self):
-        """Self-distillation (`data.regenerate.enabled`): the target rewrites the replies,
-        cached under <cache>/regenerated/<key> and shared with every later run."""
-        regen = self.cfg.data.regenerate
-        if not regen.enabled:
+        """Self-distillation (`data.regenerate.enabled`): the target's replies, shared by every later run."""
+        if not self.cfg.data.regenerate.enabled:
             return None
-        regen.validate()
-        source = {k: getattr(self.cfg.data, k) for k in ("source", "path", "num_conversations", "max_length")}
-        directory = cache_root() / "regenerated" / regenerate_key(self.target.name, source, regen)
-        writer = ReplyWriter(self.target, regen, self.cfg.data.max_length, autocast=self._autocast)
-        log.info("regenerate: replies by the target, cached in %s", directory)
-        return lambda conversations: regenerate_conversations(writer, conversations, directory, self.rank,
-                                                              self.world, self._barrier)
+        return target_rewrite(self.target, self.cfg.data, self.rank, self.world, self._barrier, self._autocast)
 
     def _layer_ids(self) -> tuple[int, ...]:
         """Hidden states the head reads (EAGLE-3 fuses three); EAGLE-2 reads only the top."""
