@@ -8,7 +8,7 @@ import torch
 
 from eagle_lab.target import Target
 from eagle_lab.training.corpus import CorpusStore
-from eagle_lab.training.features import Example, ShardStore, compute_features, greedy_tokens
+from eagle_lab.training.features import Example, compute_features, greedy_tokens
 from eagle_lab.training.losses import Batch
 
 
@@ -40,7 +40,7 @@ def collate(examples: list[Example], device: torch.device, dtype: torch.dtype, u
 class ExampleSource:
     """Examples by index, from captured shards (offline) or computed on demand (online)."""
 
-    def __init__(self, target: Target, dataset, store: ShardStore | CorpusStore | None, layer_ids: tuple[int, ...]):
+    def __init__(self, target: Target, dataset, store: CorpusStore | None, layer_ids: tuple[int, ...]):
         self.target, self.dataset, self.store, self.layer_ids = target, dataset, store, layer_ids
         self._lengths: list[int] | None = None
         self._greedy: dict[int, torch.Tensor] = {}  # example index -> the target's greedy tokens [T]

@@ -71,20 +71,37 @@ def _draftable(head, target, batch: Batch) -> torch.Tensor:
     return in_draft[goal_token].float()
 
 
-def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: LossConfig, steps: int):
-    """-> (scalar loss, {metric: float}). target_rows: [Vd, H] target LM-head rows of the draft vocab."""
+def _loss_weights(head, target, batch: Batch, cfg: LossConfig, step: int) -> torch.Tensor:
+    """[B, T-1] 1.0 on the positions step `step`'s loss averages over."""
+    w = _weights(batch, step)
+    if cfg.mask_outside_draft_vocab and head.reduced_vocab:
+        w = w * _draftable(head, target, batch)
+    return w
+
+
+@torch.no_grad()
+def supervised_positions(head, target, batch: Batch, cfg: LossConfig, steps: int) -> torch.Tensor:
+    """[steps] how many positions each unrolled step's loss covers in `batch`."""
+    return torch.stack([_loss_weights(head, target, batch, cfg, j).sum() for j in range(1, steps + 1)]).cpu()
+
+
+def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: LossConfig, steps: int,
+                  denominators: torch.Tensor | None = None):
+    """-> (scalar loss, {metric: float}). target_rows: [Vd, H] target LM-head rows of the draft vocab.
+
+    denominators: [steps] positions per step over the whole global batch (every micro-batch on
+    every rank, `supervised_positions` summed); the loss and metrics are then this batch's share
+    of the global averages, so any split of a global batch sums to the same values. None: this
+    batch's own counts (its averages)."""
     outputs = _unroll(head, target, batch, steps, cfg.noise_std)
     goal = batch.top[:, 1:].to(outputs[0].dtype)  # [B, T-1, H] f_{p+1}
     with torch.no_grad(), torch.autocast(device_type=goal.device.type, enabled=False):  # teacher in full precision
         p = F.linear(batch.top[:, 1:].float(), target_rows.float()).softmax(-1)  # [B, T-1, Vd], not autocast-rounded
         p_top = p.argmax(-1)
-        drafted = _draftable(head, target, batch) if cfg.mask_outside_draft_vocab and head.reduced_vocab else None
     total, metrics = 0.0, {}
     for j, hidden in enumerate(outputs, start=1):
-        w = _weights(batch, j)
-        if drafted is not None:
-            w = w * drafted
-        denom = w.sum().clamp(min=1.0)
+        w = _loss_weights(head, target, batch, cfg, j)
+        denom = w.sum().clamp(min=1.0) if denominators is None else float(denominators[j - 1].clamp(min=1.0))
         reg = F.smooth_l1_loss(hidden.float(), goal.float(), reduction="none").mean(-1)  # [B, T-1]
         log_q = head.draft_logits(hidden, target_rows).float().log_softmax(-1)  # [B, T-1, Vd]
         ce = -(p * log_q).sum(-1)  # [B, T-1]

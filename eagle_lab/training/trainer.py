@@ -31,12 +31,13 @@ from eagle_lab.target import load_target
 from eagle_lab.training import checkpoint as ckpt
 from eagle_lab.training.batches import ExampleSource, collate, epoch_order
 from eagle_lab.training.corpus import CorpusStore, capture_split, open_corpus
-from eagle_lab.training.corpus_layout import corpus_key
+from eagle_lab.training.corpus_layout import Split, corpus_key
 from eagle_lab.training.data import build_datasets, load_conversations, tokenize_conversation
 from eagle_lab.training.draft_vocab import draft_vocabulary, supervised_counts
 from eagle_lab.training.engine import deepspeed_config, init_distributed, lr_lambda
-from eagle_lab.training.features import Example, ShardStore, capture, features_key
-from eagle_lab.training.losses import Batch, heldout_accuracy, training_loss
+from eagle_lab.training.features import Example, features_key
+from eagle_lab.training.global_batch import global_batch_step
+from eagle_lab.training.losses import Batch, heldout_accuracy
 from eagle_lab.training.regenerate import regenerated_pool, target_rewrite
 from eagle_lab.training.stop import GracefulStop
 
@@ -193,12 +194,16 @@ class Recipe:
         capture_layers = self.layer_ids or eagle3_layer_ids(self.target.num_layers)
         key = features_key(self.target.name, {**data_fp, "dtype": str(self.target.dtype)}, capture_layers)
         stores = []
-        for split, rows in (("train", self.train_rows), ("eval", self.eval_rows)):
-            directory = root / key / split
-            capture(self.target, rows, directory, capture_layers, rank=self.rank, world=self.world,
-                    desc=f"capture {split}")
+        stored_rows = lambda row: (row["input_ids"], row["loss_mask"])  # noqa: E731  rows come tokenized
+        for name, rows in (("train", self.train_rows), ("eval", self.eval_rows)):
+            split = Split(name, rows, root / key / name, cfg.data.shard_conversations)
+            capture_split(self.target, split, len(rows), stored_rows, [len(ids) for ids in rows["input_ids"]],
+                          capture_layers)
             self._barrier()
-            stores.append(ShardStore(directory, expected_examples=len(rows), load_layers=bool(self.layer_ids)))
+            stores.append(CorpusStore(split, len(rows), self.layer_ids))
+            if len(stores[-1]) != len(rows):
+                raise EagleLabError(f"{split.directory} holds {len(stores[-1])} examples, expected {len(rows)}: "
+                                    "delete it to capture it again")
         log.info("features: %d train examples (%d tokens), %d eval examples in %s", len(stores[0]),
                  stores[0].tokens, len(stores[1]), root / key)
         return (ExampleSource(self.target, self.train_rows, stores[0], self.layer_ids),
@@ -233,17 +238,21 @@ class Recipe:
             log.info("trainer.resume=true but no checkpoint in %s: starting fresh", self.ckpt_dir)
 
     # ---- loop ----
-    def _next_indices(self) -> list[int]:
-        """The next micro-batch of this rank, walking a seeded per-epoch permutation."""
-        size = self.cfg.trainer.micro_batch_size * self.world
+    def _next_global_batch(self) -> list[list[int]]:
+        """This rank's micro-batches of the next global batch: grad_accum x world x micro_batch_size
+        examples of a seeded per-epoch permutation, whatever the split (so the split never changes
+        which examples a step sees)."""
+        tcfg = self.cfg.trainer
+        micro = tcfg.micro_batch_size * self.world
+        size = micro * tcfg.grad_accum
         order = self._epoch_order(size)
         if self.cursor + size > len(order):
             self.epoch, self.cursor = self.epoch + 1, 0
             order = self._epoch_order(size)
         chunk = order[self.cursor: self.cursor + size]
         self.cursor += size
-        mine = chunk[self.rank::self.world]
-        return mine or chunk[:1]
+        parts = [chunk[start: start + micro] for start in range(0, size, micro)]  # grad_accum parts
+        return [part[self.rank::self.world] or chunk[:1] for part in parts]  # never empty: a tiny data set
 
     @property
     def loss_needs_greedy(self) -> bool:
@@ -307,18 +316,13 @@ class Recipe:
 
     def _train_step(self, rows: torch.Tensor) -> None:
         """One optimizer step (grad_accum micro-batches); sets _last_loss, _last_metrics, _last_tokens."""
-        cfg, tokens = self.cfg, 0
-        metrics: dict[str, float] = {}
-        for _ in range(cfg.trainer.grad_accum):
-            batch = self._batch(self.train_source.get(self._next_indices(), with_greedy=self.loss_needs_greedy))
-            with self._autocast():
-                loss, metrics = training_loss(self.engine.module, self.target, rows, batch, cfg.loss,
-                                              cfg.head.ttt_steps)
-            self.engine.backward(loss)
-            self.engine.step()
-            tokens += int(batch.valid.sum())
+        cfg = self.cfg
+        batches = [self._batch(self.train_source.get(indices, with_greedy=self.loss_needs_greedy))
+                   for indices in self._next_global_batch()]
+        self._last_loss, self._last_metrics = global_batch_step(self.engine, self.target, rows, batches, cfg.loss,
+                                                                cfg.head.ttt_steps, self.world, self._autocast)
+        self._last_tokens = sum(int(batch.valid.sum()) for batch in batches)
         self.step += 1
-        self._last_loss, self._last_metrics, self._last_tokens = float(loss.detach()), metrics, tokens
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
