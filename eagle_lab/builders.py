@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ from eagle_lab.card import read_card
 from eagle_lab.config import HeadConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
 from eagle_lab.draft import Drafter, EagleDrafter, TreeShape
+from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer, draft_model_shape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, speculative_decode, vanilla_decode
 from eagle_lab.head import EagleHead
@@ -18,13 +20,13 @@ from eagle_lab.head_kinds import new_head
 from eagle_lab.interop import load_head
 from eagle_lab.ngram import NgramDrafter, NgramProposer
 from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import Target
+from eagle_lab.target import Target, TargetConfig, load_target
 from eagle_lab.tree_search.auto import auto_tree
 
 log = logging.getLogger(__name__)
 PACKAGED_HEADS = Path(__file__).parent / "assets" / "heads"
-METHODS = ("eagle", "vanilla", "ngram")
-SPECULATIVE = ("eagle", "ngram", "eagle+ngram")  # decoders that run a drafter through speculative_decode
+METHODS = ("eagle", "vanilla", "ngram", "draft_model")
+SPECULATIVE = ("eagle", "ngram", "eagle+ngram", "draft_model")  # decoders that run a drafter through speculative_decode
 
 
 def packaged_head_dir(target_name: str) -> Path | None:
@@ -103,10 +105,23 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
 
 def make_drafter(cfg: ServeConfig, target: Target, backend: Backend | None = None) -> Drafter | None:
     """method=eagle: the head's tree (plus n-gram branches when ngram.enabled); method=ngram: n-gram
-    drafting alone, no head; method=vanilla: none."""
+    drafting alone, no head; method=draft_model: a small LM's tree; method=vanilla: none."""
     if cfg.method == "eagle":
         proposer = ngram_proposer(cfg.ngram) if cfg.ngram.enabled else None
         return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer, backend)
     if cfg.method == "ngram":
         return NgramDrafter(ngram_proposer(cfg.ngram))
+    if cfg.method == "draft_model":
+        return build_draft_model_drafter(cfg.draft_model, cfg.tree, target)
     return None
+
+
+def build_draft_model_drafter(cfg: TargetConfig, tree: TreeConfig, target: Target) -> DraftModelDrafter:
+    """method=draft_model: the draft LM on the target's device, checked to share its tokenizer."""
+    if cfg.source == "pretrained" and not cfg.path:
+        raise EagleLabError("method=draft_model needs draft_model.path=DIR: a Hugging Face causal LM that "
+                            "shares the target's tokenizer")
+    draft = load_target(replace(cfg, device=str(target.device)))
+    check_same_tokenizer(target, draft)
+    return DraftModelDrafter(draft, draft_model_shape(tree.auto, tree.depth, tree.topk, tree.total_tokens),
+                             target.vocab_size)

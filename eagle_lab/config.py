@@ -80,6 +80,8 @@ class ServeConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     ngram: NgramConfig = field(default_factory=NgramConfig)
+    # method=draft_model: a causal LM with the target's tokenizer (draft_model.path=DIR), loaded like a target
+    draft_model: TargetConfig = field(default_factory=lambda: TargetConfig(name="draft_model", source="pretrained"))
     bench: BenchConfig = field(default_factory=BenchConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
@@ -87,7 +89,7 @@ class ServeConfig:
     # and the run decodes enough to pay for compiling; true: always; false: eager over a dynamic cache
     compile: str = "auto"
     mode: str = "generate"  # generate | bench | server
-    method: str = "eagle"  # eagle | vanilla | ngram
+    method: str = "eagle"  # eagle | vanilla | ngram | draft_model
     prompt: str = ""
     prompts_file: str = ""
     chat: bool = True

@@ -17,6 +17,7 @@ the context is merged into the tree afterwards (eagle_lab/ngram.py); with drafti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -72,6 +73,49 @@ class Drafter(Protocol):
         ...
 
 
+Expand = Callable[[int, torch.Tensor, "torch.Tensor | None", torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def grow_dynamic_tree(root: int, scores: torch.Tensor, tokens: torch.Tensor, depth: int, total_tokens: int,
+                      expand: Expand) -> tuple[DraftTree, Candidates]:
+    """EAGLE-2's dynamic tree, for any drafter that scores a frontier of k nodes in one step.
+
+    scores, tokens: [k] the root's children (log-probabilities, target token ids).
+    expand(level, frontier_tokens [k], rows, visible [k, E + k]) -> (child log-probs [k, k], child
+    tokens [k, k]) drafts the children of the frontier at `level` (1 = the root's children): rows
+    [k] says which row of the previous expand call each frontier node came from (None at level 1),
+    and visible which of the E draft entries fed so far, plus the k new ones, each node may attend
+    to (its ancestors and itself). Keeps the best k of the k*k children as the next frontier, then
+    the best `total_tokens` of all candidates as the tree.
+    """
+    device = scores.device
+    k = scores.numel()
+    all_scores, all_tokens = [scores], [tokens]
+    all_parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
+    frontier = torch.arange(k, device=device)  # candidate ids of the frontier
+    frontier_scores, frontier_tokens = scores, tokens  # [k]
+    ancestry = torch.zeros(k, 0, dtype=torch.bool, device=device)  # [k, draft entries so far]
+    rows, n_candidates = None, k
+    for level in range(1, depth):
+        visible = torch.cat([ancestry, torch.eye(k, dtype=torch.bool, device=device)], dim=1)  # [k, E + k]
+        child_logp, child_tokens = expand(level, frontier_tokens, rows, visible)  # [k, k] each
+        child_scores = frontier_scores[:, None] + child_logp  # [k, k]
+        all_scores.append(child_scores.flatten())
+        all_tokens.append(child_tokens.flatten())
+        all_parents.append(frontier.repeat_interleave(k))
+        best = child_scores.flatten().topk(k).indices  # [k] flat indices into [k, k]
+        rows = best // k
+        frontier = n_candidates + best
+        n_candidates += k * k
+        frontier_scores, frontier_tokens = child_scores.flatten()[best], child_tokens.flatten()[best]
+        ancestry = visible[rows]
+    candidates = Candidates(torch.cat(all_scores), torch.cat(all_parents), torch.cat(all_tokens))
+    kept, parents = select_best(candidates.scores, candidates.parents, total_tokens)
+    tokens = torch.cat([torch.tensor([root], device=device), candidates.tokens[kept]])
+    parents = torch.cat([torch.tensor([-1], device=device), parents])
+    return build_tree(tokens, parents), candidates
+
+
 class EagleDrafter:
     def __init__(self, head: EagleHead, target: Target, shape: TreeShape, ngram: NgramProposer | None = None,
                  compiled: bool = False, cache_capacity: int = 0):
@@ -118,40 +162,22 @@ class EagleDrafter:
             return root_only_tree(root, device)
         k = min(self.shape.topk, self.head.arch.draft_vocab_size)
         hidden, top_logp, top_ids = self._commit(sequence, new_features, k)
-        hidden = hidden[-1:]  # [1, H] predicted feature at the root
-        scores, tokens = self._children(top_logp[-1:], top_ids[-1:])  # [1, k] each
-        all_scores, all_tokens = [scores.flatten()], [tokens.flatten()]
-        all_parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
-        frontier = torch.arange(k, device=device)  # candidate ids of the frontier
-        frontier_scores, frontier_tokens = scores.flatten(), tokens.flatten()  # [k]
-        parent_hidden = hidden.expand(k, -1)  # [k, H] feature each frontier node is predicted from
-        ancestry = torch.zeros(k, 0, dtype=torch.bool, device=device)  # [k, draft entries so far]
-        n_candidates = k
-        for level in range(1, depth):
-            entries = ancestry.shape[1]
-            visible = torch.cat([ancestry, torch.eye(k, dtype=torch.bool, device=device)], dim=1)  # [k, E + k]
-            full = torch.ones(k, self.committed + entries + k, dtype=torch.bool, device=device)
+        scores, tokens = self._children(top_logp[-1:], top_ids[-1:])  # [1, k] each: the root's children
+        predicted = hidden[-1:].expand(k, -1)  # [k, H] the last step's predicted features (the root's at first)
+
+        def expand(level: int, frontier_tokens: torch.Tensor, rows: torch.Tensor | None, visible: torch.Tensor):
+            nonlocal predicted
+            parent_hidden = predicted if rows is None else predicted[rows]  # [k, H] each node's parent feature
+            full = torch.ones(k, self.committed + visible.shape[1], dtype=torch.bool, device=device)
             full[:, self.committed:] = visible
             positions = torch.full((k,), self.committed + level - 1, device=device)
-            out, top_logp, top_ids = self.runner(self.cache, frontier_tokens, parent_hidden, positions, full, k,
-                                                 from_draft=True)  # [k, H], [k, k], [k, k]
-            child_logp, child_tokens = self._children(top_logp, top_ids)  # [k, k]
-            child_scores = frontier_scores[:, None] + child_logp  # [k, k]
-            all_scores.append(child_scores.flatten())
-            all_tokens.append(child_tokens.flatten())
-            all_parents.append(frontier.repeat_interleave(k))
-            best = child_scores.flatten().topk(k).indices  # [k] flat indices into [k, k]
-            rows = best // k
-            frontier = n_candidates + best
-            n_candidates += k * k
-            frontier_scores, frontier_tokens = child_scores.flatten()[best], child_tokens.flatten()[best]
-            parent_hidden = out[rows]
-            ancestry = visible[rows]
-        self.last_candidates = Candidates(torch.cat(all_scores), torch.cat(all_parents), torch.cat(all_tokens))
-        kept, parents = select_best(torch.cat(all_scores), torch.cat(all_parents), self.shape.total_tokens)
-        tokens = torch.cat([torch.tensor([root], device=device), torch.cat(all_tokens)[kept]])
-        parents = torch.cat([torch.tensor([-1], device=device), parents])
-        return build_tree(tokens, parents)
+            predicted, top_logp, top_ids = self.runner(self.cache, frontier_tokens, parent_hidden, positions, full, k,
+                                                       from_draft=True)  # [k, H], [k, k], [k, k]
+            return self._children(top_logp, top_ids)
+
+        tree, self.last_candidates = grow_dynamic_tree(root, scores.flatten(), tokens.flatten(), depth,
+                                                       self.shape.total_tokens, expand)
+        return tree
 
     def feed(self, sequence: torch.Tensor, new_features: torch.Tensor) -> None:
         """Bring the head cache up to the committed sequence without drafting (arguments as draft's)."""

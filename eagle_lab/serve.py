@@ -10,7 +10,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from eagle_lab.builders import build_decoder, make_drafter, make_generator, ngram_proposer
+from eagle_lab.builders import METHODS, build_decoder, make_drafter, make_generator, ngram_proposer
 from eagle_lab.cli import run_entry
 from eagle_lab.config import ServeConfig, register_configs, to_object
 from eagle_lab.decoding.backend import build_backend, compile_choice
@@ -38,8 +38,8 @@ def validate(cfg: ServeConfig) -> SamplingParams:
         raise EagleLabError(f"output must be text or json, got '{cfg.output}'")
     if cfg.mode not in ("generate", "bench", "server"):
         raise EagleLabError(f"mode must be generate, bench or server, got '{cfg.mode}'")
-    if cfg.method not in ("eagle", "vanilla", "ngram"):
-        raise EagleLabError(f"method must be eagle, vanilla or ngram, got '{cfg.method}'")
+    if cfg.method not in METHODS:
+        raise EagleLabError(f"method must be one of {', '.join(METHODS)}, got '{cfg.method}'")
     if cfg.max_new_tokens < 1:
         raise EagleLabError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     compile_choice(cfg.compile)

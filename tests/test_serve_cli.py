@@ -73,6 +73,19 @@ def test_ngram_methods_agree_with_vanilla(tmp_path):
     assert outputs["ngram"] == outputs["vanilla"] and outputs["hybrid"] == outputs["vanilla"]
 
 
+def test_draft_model_method_agrees_with_vanilla(tmp_path):
+    """method=draft_model with a one-layer tiny LM as the draft model, chain and tree."""
+    common = ("target=tiny_llama", "prompt=Tell me a story.", "max_new_tokens=20", "ignore_eos=true", "output=json")
+    outputs = {}
+    for name, extra in (("vanilla", ["method=vanilla"]),
+                        ("chain", ["method=draft_model", "draft_model.source=tiny", "draft_model.tiny.num_layers=1"]),
+                        ("tree", ["method=draft_model", "draft_model.source=tiny", "tree=cpu"])):
+        run = serve(*common, *extra, tmp_path=tmp_path)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outputs[name] = json_rows(run.stdout)[0]["token_ids"]
+    assert outputs["chain"] == outputs["vanilla"] and outputs["tree"] == outputs["vanilla"]
+
+
 def test_streams_text_to_stdout_and_logs_to_stderr(tmp_path):
     common = ("target=tiny_llama", "prompt=Hello there", "max_new_tokens=16", "ignore_eos=true", "temperature=0.8",
               "seed=3")
@@ -132,6 +145,8 @@ def bad_inputs(tmp: Path, heads: Path) -> dict[str, tuple[list[str], str]]:
         "ngram max_tokens zero": (["method=ngram", "ngram.max_tokens=0"], "ngram.max_tokens"),
         "ngram min_match zero": (["ngram.enabled=true", "ngram.min_match=0"], "ngram.min_match"),
         "unknown method": (["method=medusa"], "method"),
+        "draft model without a path": (["method=draft_model"], "draft_model.path=DIR"),
+        "draft model path not a model": (["method=draft_model", f"draft_model.path={tmp}"], "not a model directory"),
         "tree min_gain below one": (["tree.min_gain=0.5"], "tree.min_gain"),
         "tree batch_min_gain below one": (["tree.batch_min_gain=0.9"], "tree.batch_min_gain"),
     }

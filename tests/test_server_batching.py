@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.draft_model import DraftModelDrafter
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.head_kinds import new_head
 from eagle_lab.ngram import NgramDrafter, NgramProposer
@@ -26,6 +27,7 @@ from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.sequence import Sequence
 from eagle_lab.tree import build_tree
 from tests.conftest import OracleDrafter, small_vocab_target
+from tests.test_draft_model import small_lm
 from tests.scheduler_helpers import Client, expected_alone, plan, run_all
 from tests.serving_helpers import TINY, serve_config
 from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
@@ -41,6 +43,8 @@ def make_drafters(target, kinds):
     small = EagleDrafter(new_head(target, seed=1), target, TreeShape(depth=2, topk=2, total_tokens=3))
     made = {"eagle": lambda: fork_eagle(prototype), "eagle-small": lambda: fork_eagle(small),
             "oracle": lambda: OracleDrafter(target, depth=4), "ngram": lambda: NgramDrafter(NgramProposer(1, 3, 4)),
+            "draft_model": drafter_factory(DraftModelDrafter(small_lm(target), TreeShape(depth=3, topk=2, total_tokens=5),
+                                                             target.vocab_size)),
             "vanilla": lambda: None}
     return [made[kind]() for kind in kinds]
 
@@ -83,7 +87,9 @@ def encoded(target, prompts):
 
 
 @pytest.mark.parametrize("kinds", [("eagle", "eagle", "eagle"), ("eagle", "oracle", "ngram", "eagle-small"),
-                                   ("vanilla", "vanilla", "vanilla", "vanilla")], ids=["eagle3", "mixed4", "vanilla4"])
+                                   ("draft_model", "eagle", "draft_model"),
+                                   ("vanilla", "vanilla", "vanilla", "vanilla")],
+                         ids=["eagle3", "mixed4", "draft-model3", "vanilla4"])
 def test_greedy_batched_equals_alone(tiny_target, kinds):
     prompts, lengths = encoded(tiny_target, PROMPTS[:len(kinds)]), LENGTHS[:len(kinds)]
     expected = [alone(tiny_target, d, p, SamplingParams(), n, 0)

@@ -16,6 +16,7 @@ import copy
 from collections.abc import Callable
 
 from eagle_lab.draft import Drafter, EagleDrafter
+from eagle_lab.draft_model import DraftModelDrafter
 from eagle_lab.ngram import NgramDrafter
 
 
@@ -34,6 +35,8 @@ def drafter_factory(prototype: Drafter | None) -> Callable[[], Drafter | None]:
         return lambda: None
     if isinstance(prototype, EagleDrafter):
         return lambda: fork_eagle(prototype)
+    if isinstance(prototype, DraftModelDrafter):  # the draft LM's weights shared, a cache per sequence
+        return lambda: DraftModelDrafter(prototype.model, prototype.shape, prototype.vocab_size)
     if isinstance(prototype, NgramDrafter):
         return lambda: NgramDrafter(prototype.proposer)  # stateless today; a fresh one stays safe if that changes
     raise TypeError(f"no per-sequence factory for drafter {type(prototype).__name__}")

@@ -1,0 +1,100 @@
+"""`method=draft_model`: a small causal LM that shares the target's tokenizer drafts the tree.
+
+The classic speculative decoding of Leviathan et al. and Chen et al., and what vLLM, SGLang and
+Hugging Face's assisted generation call a draft model. It drafts EAGLE-2's dynamic tree from its
+own log-probabilities (`tree.topk=1` makes a chain), with its own KV cache over the committed
+tokens: each round it reads the tokens committed since the last round in one forward, then one
+forward per tree level over the k frontier nodes (tree attention through its own 4-D mask, as the
+target scores trees). Frontier entries are dropped at the start of the next round. The target
+verifies with the same lossless rule as every other drafter, so the output is the target's,
+whatever the draft model proposes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from eagle_lab.cache import cache_length, truncate
+from eagle_lab.draft import Candidates, TreeShape, grow_dynamic_tree
+from eagle_lab.errors import EagleLabError
+from eagle_lab.target import Target
+from eagle_lab.tree import DraftTree, root_only_tree
+
+log = logging.getLogger(__name__)
+DEFAULT_SHAPE = TreeShape(depth=3, topk=1, total_tokens=3)  # a chain: 4 tokens score at one token's cost
+
+
+def check_same_tokenizer(target: Target, draft: Target) -> None:
+    """A draft model proposes token ids, so both must mean the same text by them."""
+    target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if target_vocab != draft_vocab:
+        differ = sum(draft_vocab.get(token) != index for token, index in target_vocab.items())
+        raise EagleLabError(f"draft model '{draft.name}' has another tokenizer than target '{target.name}' "
+                            f"({len(draft_vocab)} vs {len(target_vocab)} tokens, {differ} of the target's differ): "
+                            "a draft model must share the target's tokenizer")
+
+
+class DraftModelDrafter:
+    feature_layers: tuple[int, ...] = ()  # reads tokens only
+    ngram = None  # no hybrid branches
+
+    def __init__(self, model: Target, shape: TreeShape, vocab_size: int):
+        self.model, self.shape = model, shape
+        self.vocab_size = vocab_size  # the target's: padded embedding rows beyond it are never drafted
+        self.cache = model.new_cache()
+        self.committed = 0  # tokens of the committed sequence in the draft model's cache
+        self.last_candidates: Candidates | None = None
+
+    def reset(self) -> None:
+        self.cache = self.model.new_cache()
+        self.committed = 0
+
+    def feed(self, sequence: torch.Tensor, new_features: torch.Tensor | None = None) -> torch.Tensor:
+        """Bring the cache up to the committed sequence -> [V] log-probs after its last token."""
+        truncate(self.cache, self.committed)  # forget last round's frontier entries
+        new = sequence[self.committed:]  # [P] committed since the last round, the root last
+        out = self.model.forward(new[None], self.cache)
+        self.committed = sequence.numel()
+        return self._log_probs(out.features[0, -1:])[0]
+
+    def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
+        """[R, H] -> [R, V] log-probabilities over the target's vocabulary."""
+        return self.model.logits(features)[:, : self.vocab_size].log_softmax(-1)
+
+    @torch.no_grad()
+    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+        root = int(sequence[-1])
+        depth = min(self.shape.depth, max_depth)
+        if depth < 1 or self.shape.topk < 1 or self.shape.total_tokens < 1:
+            return root_only_tree(root, sequence.device)
+        k = self.shape.topk
+        scores, tokens = self.feed(sequence).topk(k)  # [k] the root's children
+        device, dtype = sequence.device, self.model.dtype
+
+        def expand(level: int, frontier_tokens: torch.Tensor, rows: torch.Tensor | None, visible: torch.Tensor):
+            past = cache_length(self.cache)  # committed + earlier levels' frontiers
+            allowed = torch.ones(k, past + k, dtype=torch.bool, device=device)
+            allowed[:, self.committed:] = visible
+            mask = torch.zeros(k, past + k, dtype=dtype, device=device)
+            mask.masked_fill_(~allowed, torch.finfo(dtype).min)  # [k, past + k] additive
+            positions = torch.full((1, k), self.committed + level - 1, device=device)
+            out = self.model.forward(frontier_tokens[None], self.cache, positions,
+                                     attention_mask=mask.view(1, 1, k, past + k))
+            return self._log_probs(out.features[0]).topk(k)  # [k, k] log-probs, token ids
+
+        tree, self.last_candidates = grow_dynamic_tree(root, scores, tokens, depth, self.shape.total_tokens, expand)
+        return tree
+
+
+def draft_model_shape(auto: bool, depth: int, topk: int, total_tokens: int) -> TreeShape:
+    """The tree a draft model drafts: tree.depth/topk/total_tokens when set; with tree.auto (which
+    calibrates EAGLE heads) and nothing set, a chain of 3."""
+    if depth and topk and total_tokens:
+        return TreeShape(depth, topk, total_tokens)
+    if not auto:
+        raise EagleLabError("tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0")
+    log.info("method=draft_model: tree=auto calibrates EAGLE heads only; drafting a chain of %d "
+             "(set tree=cpu or tree.depth/topk/total_tokens for a tree)", DEFAULT_SHAPE.depth)
+    return DEFAULT_SHAPE

@@ -1,0 +1,102 @@
+"""method=draft_model: a small LM with the target's tokenizer drafts; the output stays the target's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_lab.builders import build_draft_model_drafter
+from eagle_lab.config import TreeConfig
+from eagle_lab.draft import TreeShape
+from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer, draft_model_shape
+from eagle_lab.errors import EagleLabError
+from eagle_lab.generate import Stopper, generate, speculative_decode
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.serving.drafters import drafter_factory
+from eagle_lab.target import Target, TargetConfig
+from eagle_lab.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
+from tests.conftest import small_vocab_target
+from tests.test_greedy_lossless import prompts, run_both
+from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
+
+
+def small_lm(target: Target, seed: int = 7, layers: int = 1) -> Target:
+    """A one-layer LM of the target's family over the same byte tokenizer (a stand-in draft model)."""
+    family = target.model.config.model_type
+    model = build_tiny_model(TinyModelConfig(family=family, num_layers=layers, seed=seed),
+                             vocab_size=target.vocab_size)
+    return Target(model.eval(), byte_tokenizer(), name="draft")
+
+
+@pytest.mark.parametrize("shape", [TreeShape(4, 1, 4), TreeShape(3, 3, 8)], ids=["chain", "tree"])
+def test_greedy_output_equals_plain_decoding(tiny_target, shape):
+    drafter = DraftModelDrafter(small_lm(tiny_target), shape, tiny_target.vocab_size)
+    for prompt in prompts(3):
+        plain, spec = run_both(tiny_target, drafter, prompt)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stats.new_tokens == 48
+
+
+def test_the_target_as_its_own_draft_model_is_accepted_whole(tiny_target):
+    """Every drafted token is the target's greedy one, so every round keeps its whole chain: this
+    checks the draft model's cache, positions and tree masks."""
+    drafter = DraftModelDrafter(tiny_target, TreeShape(4, 1, 4), tiny_target.vocab_size)
+    plain, spec = run_both(tiny_target, drafter, prompts(1)[0], new_tokens=50)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.target_forwards == 1 + 10  # the prefill, then 5 tokens per round
+    # a tree keeping all 2 + 4 + 4 candidates: the greedy path leaves the frontier only if both of
+    # the second child's children outscore it, so nearly every round keeps all 3 levels
+    tree_drafter = DraftModelDrafter(tiny_target, TreeShape(3, 2, 10), tiny_target.vocab_size)
+    _, tree_spec = run_both(tiny_target, tree_drafter, prompts(1)[0], new_tokens=48)
+    assert tree_spec.stats.accepted_draft_tokens >= 3 * tree_spec.stats.rounds - 1
+
+
+@pytest.mark.slow
+def test_sampling_keeps_the_targets_distribution():
+    target = small_vocab_target()
+    draft = small_vocab_target(seed=9)
+    params, prompt, length, samples = SamplingParams(temperature=0.9), torch.tensor([1, 4, 2, 0]), 3, 3000
+    drafter = DraftModelDrafter(draft, TreeShape(2, 2, 4), target.vocab_size)
+    generator = torch.Generator().manual_seed(13)
+    counts, accepted_any = {}, 0
+    for _ in range(samples):
+        result = generate(speculative_decode(target, drafter, prompt, params,
+                                             Stopper(target.tokenizer, length, set()), generator))
+        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+        accepted_any += result.stats.accepted_draft_tokens > 0
+    assert 0.1 * samples < accepted_any < samples  # useful but imperfect drafts: the test means something
+    assert chi_square_pvalue(counts, exact_sequence_probs(target, prompt, params, length), samples) > ALPHA
+
+
+def test_another_tokenizer_is_refused(tiny_llama):
+    other = byte_tokenizer()
+    other.add_tokens(["<extra>"])
+    draft = Target(small_lm(tiny_llama).model, other, name="other")
+    with pytest.raises(EagleLabError, match="must share the target's tokenizer"):
+        check_same_tokenizer(tiny_llama, draft)
+    check_same_tokenizer(tiny_llama, small_lm(tiny_llama))  # the same tokenizer passes
+
+
+def test_a_missing_or_bad_path_is_one_clear_error(tiny_llama, tmp_path):
+    with pytest.raises(EagleLabError, match="draft_model.path=DIR"):
+        build_draft_model_drafter(TargetConfig(name="draft_model", source="pretrained"), TreeConfig(), tiny_llama)
+    with pytest.raises(EagleLabError, match="not a model directory"):
+        build_draft_model_drafter(TargetConfig(name="draft_model", source="pretrained", path=str(tmp_path)),
+                                  TreeConfig(), tiny_llama)
+
+
+def test_tree_shape_follows_the_tree_config():
+    assert draft_model_shape(True, 0, 0, 0) == TreeShape(3, 1, 3)  # tree=auto: a chain of 3
+    assert draft_model_shape(False, 4, 4, 12) == TreeShape(4, 4, 12)  # tree=cpu
+    with pytest.raises(EagleLabError, match="tree.depth"):
+        draft_model_shape(False, 0, 0, 0)
+
+
+def test_each_server_sequence_gets_its_own_cache_over_shared_weights(tiny_llama):
+    prototype = build_draft_model_drafter(TargetConfig(name="draft", source="tiny", tiny=TinyModelConfig(seed=5)),
+                                          TreeConfig(auto=False, depth=2, topk=2, total_tokens=3), tiny_llama)
+    make = drafter_factory(prototype)
+    first, second = make(), make()
+    assert first.model is second.model is prototype.model and first.cache is not second.cache
+    first.draft(torch.tensor([1, 2, 3]), torch.zeros(0), max_depth=4)
+    assert first.committed == 3 and second.committed == 0
