@@ -43,6 +43,7 @@ class HeadCard:
     heldout_tau_chain: float = 0.0
     mtbench_tau: dict[str, dict[str, float]] = field(default_factory=dict)  # tree -> "T=<temperature>" -> tau
     draft_vocab_size: int = 0
+    trainable_parameters: int = 0  # what training updated (a draft LM's frozen embeddings and LM head excluded)
     data: dict[str, object] = field(default_factory=dict)  # source, max_length, ...
     command: str = ""  # reproduces the head
 

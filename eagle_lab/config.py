@@ -29,6 +29,7 @@ class HeadConfig:
     ttt_steps: int = 1  # training: draft steps unrolled per position (EAGLE-3 "training-time test")
     feature_layers: list[int] = field(default_factory=list)  # eagle3: hidden_states indices; [] = (2, L//2, L-3)
     init_layer_from_target: bool = False  # training, eagle2: start the decoder layer from the target's last
+    draft_layers: int = 2  # head.kind=draft_lm: decoder layers of the standalone draft model
     seed: int = 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -100,3 +102,34 @@ def test_each_server_sequence_gets_its_own_cache_over_shared_weights(tiny_llama)
     assert first.model is second.model is prototype.model and first.cache is not second.cache
     first.draft(torch.tensor([1, 2, 3]), torch.zeros(0), max_depth=4)
     assert first.committed == 3 and second.committed == 0
+
+
+def test_head_draft_lm_trains_exports_and_serves_losslessly(tmp_path):
+    """train.py head=draft_lm: the same corpus and objective as an EAGLE head; the export is a
+    Hugging Face model that method=draft_model serves, with the target's output."""
+    from test_train import smoke_cfg
+
+    from eagle_lab.builders import build_draft_model_drafter
+    from eagle_lab.card import read_card
+    from eagle_lab.training.trainer import Recipe
+
+    recipe = Recipe(smoke_cfg(tmp_path / "run", "head=draft_lm", "head.draft_layers=1", "trainer.max_steps=12",
+                              "trainer.eval_every=12", f"trainer.features_dir={tmp_path / 'features'}"))
+    recipe.setup()
+    frozen = recipe.head.model.get_input_embeddings().weight.clone()
+    recipe.train()
+    out = recipe.export()
+    losses = [json.loads(line)["loss"] for line in recipe.metrics_path.read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert losses[-1] < losses[0]
+    assert torch.equal(recipe.head.model.get_input_embeddings().weight, frozen)  # embeddings stay the target's
+    card = read_card(out)
+    assert card.kind == "draft_lm" and len(card.heldout_top1) == 1 and card.trainable_parameters > 0
+    assert card.trainable_parameters < sum(p.numel() for p in recipe.head.parameters())
+
+    target = recipe.target
+    drafter = build_draft_model_drafter(TargetConfig(name="draft", source="pretrained", path=str(out)),
+                                        TreeConfig(auto=False, depth=3, topk=2, total_tokens=5), target)
+    for prompt in prompts(2):
+        plain, spec = run_both(target, drafter, prompt, new_tokens=24)
+        assert spec.token_ids == plain.token_ids

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle_lab.head import draft_lm_head_weight
+from eagle_lab.training.draft_lm import DraftLM
 from eagle_lab.training.features import greedy_tokens
 from eagle_lab.training.ttt import unrolled_hidden
 
@@ -43,6 +44,13 @@ class Batch:
     def greedy(self, target) -> torch.Tensor:
         """[B, T] the target's greedy token after each position (cached per example by the trainer)."""
         return self.target_token if self.target_token is not None else greedy_tokens(target, self.top)
+
+
+def _predictions(head, target, batch: Batch, steps: int, noise_std: float) -> list[torch.Tensor]:
+    """[[B, T-1, H]] per draft step: the predicted features of positions 1..T-1."""
+    if isinstance(head, DraftLM):  # reads tokens only; one step
+        return head.predictions(batch.input_ids, batch.valid)
+    return _unroll(head, target, batch, steps, noise_std)
 
 
 def _unroll(head, target, batch: Batch, steps: int, noise_std: float):
@@ -93,7 +101,7 @@ def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: Lo
     every rank, `supervised_positions` summed); the loss and metrics are then this batch's share
     of the global averages, so any split of a global batch sums to the same values. None: this
     batch's own counts (its averages)."""
-    outputs = _unroll(head, target, batch, steps, cfg.noise_std)
+    outputs = _predictions(head, target, batch, steps, cfg.noise_std)
     goal = batch.top[:, 1:].to(outputs[0].dtype)  # [B, T-1, H] f_{p+1}
     with torch.no_grad(), torch.autocast(device_type=goal.device.type, enabled=False):  # teacher in full precision
         p = F.linear(batch.top[:, 1:].float(), target_rows.float()).softmax(-1)  # [B, T-1, Vd], not autocast-rounded
@@ -116,11 +124,13 @@ def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: Lo
 @torch.no_grad()
 def heldout_accuracy(head, target, batches, depth: int) -> dict[str, float]:
     """Top-1 accuracy at draft positions 1..depth against the target's own argmax over the
-    full vocabulary, and the chain tau it implies: 1 + sum_d prod_{i<=d} acc_i."""
+    full vocabulary, and the chain tau it implies: 1 + sum_d prod_{i<=d} acc_i. A draft LM
+    predicts position 1 only here (its deeper positions need its own tokens: the bench measures them)."""
+    depth = 1 if isinstance(head, DraftLM) else depth
     hits, counts = torch.zeros(depth), torch.zeros(depth)
-    rows = draft_lm_head_weight(head, target).to(head.fc.weight.dtype)  # [Vd, H]
+    rows = draft_lm_head_weight(head, target).to(next(p for p in head.parameters() if p.requires_grad).dtype)
     for batch in batches:
-        outputs = _unroll(head, target, batch, depth, 0.0)
+        outputs = _predictions(head, target, batch, depth, 0.0)
         target_token = batch.greedy(target)[:, 1:]  # [B, T-1]
         for j, hidden in enumerate(outputs, start=1):
             w = _weights(batch, j).bool()

@@ -25,8 +25,7 @@ from eagle_lab.eagle3 import eagle3_layer_ids
 from eagle_lab.device import cpu_has_bf16, training_dtype
 from eagle_lab.embedded import cache_root
 from eagle_lab.errors import EagleLabError
-from eagle_lab.head import draft_lm_head_weight, save_head
-from eagle_lab.head_kinds import new_head
+from eagle_lab.head import draft_lm_head_weight
 from eagle_lab.target import load_target
 from eagle_lab.training import checkpoint as ckpt
 from eagle_lab.training.batches import ExampleSource, collate, epoch_order
@@ -40,6 +39,8 @@ from eagle_lab.training.global_batch import global_batch_step
 from eagle_lab.training.losses import Batch, heldout_accuracy
 from eagle_lab.training.regenerate import regenerated_pool, target_rewrite
 from eagle_lab.training.stop import GracefulStop
+from eagle_lab.training.trainable import (check_kind, draft_vocab_size, export_trainable, new_trainable,
+                                         trainable_parameters, trained_dtype)
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class Recipe:
         self._set_max_steps()
         if self.rank == 0:
             OmegaConf.save(OmegaConf.structured(cfg), self.run_dir / "resolved_config.yaml")
-        self.head = self._new_head(vocab_ids).train()
+        self.head = new_trainable(self.target, cfg.head, vocab_ids, self.device).train()
         self._init_engine()
 
     def _validate(self) -> None:
@@ -101,8 +102,7 @@ class Recipe:
             raise EagleLabError(f"trainer.cpu_autocast must be auto, on or off, got '{cfg.trainer.cpu_autocast}'")
         if cfg.trainer.capture_layers not in ("auto", "eagle3"):
             raise EagleLabError(f"trainer.capture_layers must be auto or eagle3, got '{cfg.trainer.capture_layers}'")
-        if cfg.head.kind not in ("eagle2", "eagle3"):
-            raise EagleLabError(f"unknown head kind '{cfg.head.kind}' (eagle2 or eagle3)")
+        check_kind(cfg.head)
         if cfg.data.eval_conversations < 0 or cfg.data.shard_conversations < 1:
             raise EagleLabError("data.eval_conversations must be >= 0 and data.shard_conversations >= 1")
         if cfg.data.eval_conversations > 0 and cfg.trainer.features != "offline":
@@ -176,12 +176,6 @@ class Recipe:
         if self.cfg.head.kind != "eagle3":
             return ()
         return tuple(self.cfg.head.feature_layers) or eagle3_layer_ids(self.target.num_layers)
-
-    def _new_head(self, vocab_ids):
-        head = new_head(self.target, kind=self.cfg.head.kind, draft_vocab_ids=vocab_ids, seed=self.cfg.head.seed,
-                        feature_layers=tuple(self.cfg.head.feature_layers),
-                        layer_from_target=self.cfg.head.init_layer_from_target)
-        return head.float() if self.device.type == "cpu" else head
 
     def _sources(self):
         cfg = self.cfg
@@ -273,11 +267,11 @@ class Recipe:
         return self._order[1]
 
     def _batch(self, examples: list[Example]) -> Batch:
-        return collate(examples, self.device, self.head.fc.weight.dtype, use_layers=bool(self.layer_ids))
+        return collate(examples, self.device, trained_dtype(self.head), use_layers=bool(self.layer_ids))
 
     def train(self) -> None:
         tcfg = self.cfg.trainer
-        rows = draft_lm_head_weight(self.head, self.target).detach().to(self.head.fc.weight.dtype)
+        rows = draft_lm_head_weight(self.head, self.target).detach().to(trained_dtype(self.head))
         started = time.perf_counter()
         stop_at = min(tcfg.max_steps, tcfg.stop_at) if tcfg.stop_at > 0 else tcfg.max_steps
         bar = tqdm(total=tcfg.max_steps, initial=self.step, desc="train", unit="step", disable=self.rank != 0)
@@ -352,10 +346,9 @@ class Recipe:
         """Write the head (also after an early stop: a partly trained head still serves)."""
         if self.rank != 0:
             return None
-        out = save_head(self.head, self.run_dir / "head")
+        out, serve = export_trainable(self.head, self.target, self.run_dir / "head")
         write_card(out, self.card())
-        log.info("exported head at step %d/%d -> %s (serve with: python serve.py target=%s head.path=%s)",
-                 self.step, self.cfg.trainer.max_steps, out, self.target.name, out)
+        log.info("exported head at step %d/%d -> %s (serve with: %s)", self.step, self.cfg.trainer.max_steps, out, serve)
         return out
 
     def card(self) -> HeadCard:
@@ -367,11 +360,11 @@ class Recipe:
             target=self.target.name, kind=cfg.head.kind,
             train_conversations=self.train_conversations or examples, train_tokens=self.train_source.tokens,
             epochs=round(self.step * per_step / examples, 3), steps=self.step,
-            heldout_top1=[round(self.last_eval.get(f"eval_acc_{d}", 0.0), 4) for d in range(1, depth + 1)]
-            if self.last_eval else [],
+            heldout_top1=[round(self.last_eval[f"eval_acc_{d}"], 4) for d in range(1, depth + 1)
+                          if f"eval_acc_{d}" in self.last_eval],
             heldout_conversations=int(self.last_eval.get("sequences", 0)),
             heldout_tau_chain=round(self.last_eval.get("eval_tau_chain", 0.0), 4),
-            draft_vocab_size=self.head.arch.draft_vocab_size,
+            draft_vocab_size=draft_vocab_size(self.head), trainable_parameters=trainable_parameters(self.head),
             data={"name": cfg.data.name, "source": cfg.data.source, "max_length": cfg.data.max_length,
                   "eval_conversations": cfg.data.eval_conversations},
             command=self.command or "python train.py (overrides not recorded)")
