@@ -9,10 +9,12 @@ from pathlib import Path
 import torch
 
 from eagle_lab.card import read_card
-from eagle_lab.config import HeadConfig, NgramConfig, ServeConfig, TreeConfig
+from eagle_lab.config import HeadConfig, MedusaConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
-from eagle_lab.draft import Drafter, EagleDrafter, TreeShape
-from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer, draft_model_shape
+from eagle_lab.draft import Drafter, EagleDrafter, TreeShape, untuned_shape
+from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer
+from eagle_lab.medusa import load_medusa
+from eagle_lab.medusa_draft import MedusaDrafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, speculative_decode, vanilla_decode
 from eagle_lab.head import EagleHead
@@ -25,8 +27,8 @@ from eagle_lab.tree_search.auto import auto_tree
 
 log = logging.getLogger(__name__)
 PACKAGED_HEADS = Path(__file__).parent / "assets" / "heads"
-METHODS = ("eagle", "vanilla", "ngram", "draft_model")
-SPECULATIVE = ("eagle", "ngram", "eagle+ngram", "draft_model")  # decoders that run a drafter through speculative_decode
+METHODS = ("eagle", "vanilla", "ngram", "draft_model", "medusa")
+SPECULATIVE = ("eagle", "ngram", "eagle+ngram", "draft_model", "medusa")  # decoders that run a drafter through speculative_decode
 
 
 def packaged_head_dir(target_name: str) -> Path | None:
@@ -113,6 +115,8 @@ def make_drafter(cfg: ServeConfig, target: Target, backend: Backend | None = Non
         return NgramDrafter(ngram_proposer(cfg.ngram))
     if cfg.method == "draft_model":
         return build_draft_model_drafter(cfg.draft_model, cfg.tree, target)
+    if cfg.method == "medusa":
+        return build_medusa_drafter(cfg.medusa, cfg.tree, target)
     return None
 
 
@@ -123,5 +127,14 @@ def build_draft_model_drafter(cfg: TargetConfig, tree: TreeConfig, target: Targe
                             "shares the target's tokenizer")
     draft = load_target(replace(cfg, device=str(target.device)))
     check_same_tokenizer(target, draft)
-    return DraftModelDrafter(draft, draft_model_shape(tree.auto, tree.depth, tree.topk, tree.total_tokens),
+    return DraftModelDrafter(draft, untuned_shape("draft_model", tree.auto, tree.depth, tree.topk, tree.total_tokens),
                              target.vocab_size)
+
+
+def build_medusa_drafter(cfg: MedusaConfig, tree: TreeConfig, target: Target) -> MedusaDrafter:
+    """method=medusa: heads trained with head=medusa (medusa.path=DIR)."""
+    if not cfg.path:
+        raise EagleLabError("method=medusa needs medusa.path=DIR: Medusa heads trained with "
+                            "python train.py head=medusa")
+    heads = load_medusa(cfg.path, target)
+    return MedusaDrafter(heads, target, untuned_shape("medusa", tree.auto, tree.depth, tree.topk, tree.total_tokens))

@@ -30,6 +30,7 @@ class HeadConfig:
     feature_layers: list[int] = field(default_factory=list)  # eagle3: hidden_states indices; [] = (2, L//2, L-3)
     init_layer_from_target: bool = False  # training, eagle2: start the decoder layer from the target's last
     draft_layers: int = 2  # head.kind=draft_lm: decoder layers of the standalone draft model
+    medusa_heads: int = 4  # head.kind=medusa: heads, head k guessing the token k+1 places ahead
     seed: int = 0
 
 
@@ -42,6 +43,11 @@ class NgramConfig:
     min_match: int = 2  # shortest suffix of the committed sequence to look up
     max_match: int = 4  # longest suffix, tried first
     max_tokens: int = 8  # chain length (tree=auto: the longest it may choose)
+
+
+@dataclass
+class MedusaConfig:
+    path: str = ""  # method=medusa: Medusa heads trained with head=medusa (python train.py head=medusa)
 
 
 @dataclass
@@ -83,6 +89,7 @@ class ServeConfig:
     ngram: NgramConfig = field(default_factory=NgramConfig)
     # method=draft_model: a causal LM with the target's tokenizer (draft_model.path=DIR), loaded like a target
     draft_model: TargetConfig = field(default_factory=lambda: TargetConfig(name="draft_model", source="pretrained"))
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)  # method=medusa
     bench: BenchConfig = field(default_factory=BenchConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
@@ -90,7 +97,7 @@ class ServeConfig:
     # and the run decodes enough to pay for compiling; true: always; false: eager over a dynamic cache
     compile: str = "auto"
     mode: str = "generate"  # generate | bench | server
-    method: str = "eagle"  # eagle | vanilla | ngram | draft_model
+    method: str = "eagle"  # eagle | vanilla | ngram | draft_model | medusa
     prompt: str = ""
     prompts_file: str = ""
     chat: bool = True

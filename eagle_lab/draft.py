@@ -16,8 +16,9 @@ the context is merged into the tree afterwards (eagle_lab/ngram.py); with drafti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -29,6 +30,8 @@ from eagle_lab.ngram import NgramProposer, merge_chain
 from eagle_lab.target import Target
 from eagle_lab.tree import DraftTree, build_tree, root_only_tree, select_best
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class TreeShape:
@@ -39,6 +42,21 @@ class TreeShape:
     def __post_init__(self):
         if self.depth < 0 or self.topk < 0 or self.total_tokens < 0:
             raise EagleLabError(f"tree needs depth, topk and total_tokens >= 0; got {self}")
+
+
+UNTUNED_SHAPE = TreeShape(depth=3, topk=1, total_tokens=3)  # a chain: 4 tokens score at one token's cost
+
+
+def untuned_shape(method: str, auto: bool, depth: int, topk: int, total_tokens: int) -> TreeShape:
+    """The tree of a drafter that tree=auto does not calibrate (it times EAGLE heads):
+    tree.depth/topk/total_tokens when set, else under tree=auto a chain of 3."""
+    if depth and topk and total_tokens:
+        return TreeShape(depth, topk, total_tokens)
+    if not auto:
+        raise EagleLabError("tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0")
+    log.info("method=%s: tree=auto calibrates EAGLE heads only; drafting a chain of %d "
+             "(set tree=cpu or tree.depth/topk/total_tokens for a tree)", method, UNTUNED_SHAPE.depth)
+    return UNTUNED_SHAPE
 
 
 @dataclass(frozen=True)

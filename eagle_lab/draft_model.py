@@ -12,8 +12,6 @@ whatever the draft model proposes.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from eagle_lab.cache import cache_length, truncate
@@ -22,8 +20,6 @@ from eagle_lab.errors import EagleLabError
 from eagle_lab.target import Target
 from eagle_lab.tree import DraftTree, root_only_tree
 
-log = logging.getLogger(__name__)
-DEFAULT_SHAPE = TreeShape(depth=3, topk=1, total_tokens=3)  # a chain: 4 tokens score at one token's cost
 
 
 def check_same_tokenizer(target: Target, draft: Target) -> None:
@@ -86,15 +82,3 @@ class DraftModelDrafter:
 
         tree, self.last_candidates = grow_dynamic_tree(root, scores, tokens, depth, self.shape.total_tokens, expand)
         return tree
-
-
-def draft_model_shape(auto: bool, depth: int, topk: int, total_tokens: int) -> TreeShape:
-    """The tree a draft model drafts: tree.depth/topk/total_tokens when set; with tree.auto (which
-    calibrates EAGLE heads) and nothing set, a chain of 3."""
-    if depth and topk and total_tokens:
-        return TreeShape(depth, topk, total_tokens)
-    if not auto:
-        raise EagleLabError("tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0")
-    log.info("method=draft_model: tree=auto calibrates EAGLE heads only; drafting a chain of %d "
-             "(set tree=cpu or tree.depth/topk/total_tokens for a tree)", DEFAULT_SHAPE.depth)
-    return DEFAULT_SHAPE

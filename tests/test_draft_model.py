@@ -10,7 +10,8 @@ import torch
 from eagle_lab.builders import build_draft_model_drafter
 from eagle_lab.config import TreeConfig
 from eagle_lab.draft import TreeShape
-from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer, draft_model_shape
+from eagle_lab.draft import untuned_shape
+from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, generate, speculative_decode
 from eagle_lab.sampling import SamplingParams
@@ -88,10 +89,10 @@ def test_a_missing_or_bad_path_is_one_clear_error(tiny_llama, tmp_path):
 
 
 def test_tree_shape_follows_the_tree_config():
-    assert draft_model_shape(True, 0, 0, 0) == TreeShape(3, 1, 3)  # tree=auto: a chain of 3
-    assert draft_model_shape(False, 4, 4, 12) == TreeShape(4, 4, 12)  # tree=cpu
+    assert untuned_shape("draft_model", True, 0, 0, 0) == TreeShape(3, 1, 3)  # tree=auto: a chain of 3
+    assert untuned_shape("draft_model", False, 4, 4, 12) == TreeShape(4, 4, 12)  # tree=cpu
     with pytest.raises(EagleLabError, match="tree.depth"):
-        draft_model_shape(False, 0, 0, 0)
+        untuned_shape("draft_model", False, 0, 0, 0)
 
 
 def test_each_server_sequence_gets_its_own_cache_over_shared_weights(tiny_llama):

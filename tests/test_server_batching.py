@@ -14,6 +14,7 @@ import torch
 
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.draft_model import DraftModelDrafter
+from eagle_lab.medusa_draft import MedusaDrafter
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.head_kinds import new_head
 from eagle_lab.ngram import NgramDrafter, NgramProposer
@@ -28,6 +29,7 @@ from eagle_lab.serving.sequence import Sequence
 from eagle_lab.tree import build_tree
 from tests.conftest import OracleDrafter, small_vocab_target
 from tests.test_draft_model import small_lm
+from tests.test_medusa import random_heads
 from tests.scheduler_helpers import Client, expected_alone, plan, run_all
 from tests.serving_helpers import TINY, serve_config
 from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
@@ -45,6 +47,8 @@ def make_drafters(target, kinds):
             "oracle": lambda: OracleDrafter(target, depth=4), "ngram": lambda: NgramDrafter(NgramProposer(1, 3, 4)),
             "draft_model": drafter_factory(DraftModelDrafter(small_lm(target), TreeShape(depth=3, topk=2, total_tokens=5),
                                                              target.vocab_size)),
+            "medusa": drafter_factory(MedusaDrafter(random_heads(target), target, TreeShape(depth=3, topk=2,
+                                                                                          total_tokens=5))),
             "vanilla": lambda: None}
     return [made[kind]() for kind in kinds]
 
@@ -87,9 +91,9 @@ def encoded(target, prompts):
 
 
 @pytest.mark.parametrize("kinds", [("eagle", "eagle", "eagle"), ("eagle", "oracle", "ngram", "eagle-small"),
-                                   ("draft_model", "eagle", "draft_model"),
+                                   ("draft_model", "medusa", "draft_model", "medusa"),
                                    ("vanilla", "vanilla", "vanilla", "vanilla")],
-                         ids=["eagle3", "mixed4", "draft-model3", "vanilla4"])
+                         ids=["eagle3", "mixed4", "draft-model-medusa4", "vanilla4"])
 def test_greedy_batched_equals_alone(tiny_target, kinds):
     prompts, lengths = encoded(tiny_target, PROMPTS[:len(kinds)]), LENGTHS[:len(kinds)]
     expected = [alone(tiny_target, d, p, SamplingParams(), n, 0)

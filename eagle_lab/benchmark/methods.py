@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from eagle_lab.builders import build_draft_model_drafter, build_drafter, build_head, ngram_proposer
+from eagle_lab.builders import (build_draft_model_drafter, build_drafter, build_head, build_medusa_drafter,
+                                ngram_proposer)
 from eagle_lab.config import ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
 from eagle_lab.draft import Drafter
@@ -15,7 +16,7 @@ from eagle_lab.target import Target
 from eagle_lab.tree_search.presets import tree_preset
 
 log = logging.getLogger(__name__)
-METHODS = ("vanilla", "vanilla_eager", "eagle", "eagle+ngram", "ngram", "draft_model", "hf_greedy",
+METHODS = ("vanilla", "vanilla_eager", "eagle", "eagle+ngram", "ngram", "draft_model", "medusa", "hf_greedy",
            "hf_prompt_lookup")
 HEAD_METHODS = ("eagle", "eagle+ngram")  # methods that run the head
 HF_METHODS = ("hf_greedy", "hf_prompt_lookup")
@@ -45,6 +46,8 @@ def build_drafters(cfg: ServeConfig, target: Target, backend: Backend | None = N
             drafters[method] = NgramDrafter(ngram_proposer(cfg.ngram))
         elif base == "draft_model":
             drafters[method] = build_draft_model_drafter(cfg.draft_model, tree, target)
+        elif base == "medusa":
+            drafters[method] = build_medusa_drafter(cfg.medusa, tree, target)
     return drafters
 
 def tree_label(tree: TreeConfig) -> str:

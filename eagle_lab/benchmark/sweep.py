@@ -40,7 +40,7 @@ from eagle_lab.serving.server import batch_trees
 from eagle_lab.target import Target, load_target
 
 log = logging.getLogger(__name__)
-BATCHABLE = ("eagle", "vanilla", "ngram", "draft_model")
+BATCHABLE = ("eagle", "vanilla", "ngram", "draft_model", "medusa")
 
 
 def validate_sweep(cfg: ServeConfig) -> list[str]:

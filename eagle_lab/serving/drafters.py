@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from eagle_lab.draft import Drafter, EagleDrafter
 from eagle_lab.draft_model import DraftModelDrafter
+from eagle_lab.medusa_draft import MedusaDrafter
 from eagle_lab.ngram import NgramDrafter
 
 
@@ -35,6 +36,8 @@ def drafter_factory(prototype: Drafter | None) -> Callable[[], Drafter | None]:
         return lambda: None
     if isinstance(prototype, EagleDrafter):
         return lambda: fork_eagle(prototype)
+    if isinstance(prototype, MedusaDrafter):  # no state between rounds but its last candidates
+        return lambda: copy.copy(prototype)
     if isinstance(prototype, DraftModelDrafter):  # the draft LM's weights shared, a cache per sequence
         return lambda: DraftModelDrafter(prototype.model, prototype.shape, prototype.vocab_size)
     if isinstance(prototype, NgramDrafter):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle_lab.head import draft_lm_head_weight
+from eagle_lab.medusa import MedusaHeads
 from eagle_lab.training.draft_lm import DraftLM
 from eagle_lab.training.features import greedy_tokens
 from eagle_lab.training.ttt import unrolled_hidden
@@ -47,10 +48,32 @@ class Batch:
 
 
 def _predictions(head, target, batch: Batch, steps: int, noise_std: float) -> list[torch.Tensor]:
-    """[[B, T-1, H]] per draft step: the predicted features of positions 1..T-1."""
+    """[[B, T-1, H]] per draft step j: at index p, the prediction of f_{p+1} (step j of an EAGLE
+    head anchored j-1 places earlier, a draft LM after reading x_0..x_{p+1}, Medusa head j from f_{p+1-j})."""
     if isinstance(head, DraftLM):  # reads tokens only; one step
         return head.predictions(batch.input_ids, batch.valid)
+    if isinstance(head, MedusaHeads):
+        return _medusa_predictions(head, batch)
     return _unroll(head, target, batch, steps, noise_std)
+
+
+def _medusa_predictions(head: MedusaHeads, batch: Batch) -> list[torch.Tensor]:
+    feats = batch.top[:, :-1].to(head.blocks[0].weight.dtype)  # [B, T-1, H] anchors f_0 .. f_{T-2}
+    outputs = []
+    for j, hidden in enumerate(head(feats), start=1):  # hidden[:, t] guesses f_{t+j}
+        shifted = torch.zeros_like(hidden)  # index p = t + j - 1; the first j - 1 have no anchor (weight 0)
+        shifted[:, j - 1:] = hidden[:, : hidden.shape[1] - (j - 1)]
+        outputs.append(shifted)
+    return outputs
+
+
+def prediction_steps(head, ttt_steps: int) -> int:
+    """Draft steps the loss covers: an EAGLE head's unrolled steps, a draft LM's one, Medusa's heads."""
+    if isinstance(head, DraftLM):
+        return 1
+    if isinstance(head, MedusaHeads):
+        return head.arch.num_heads
+    return ttt_steps
 
 
 def _unroll(head, target, batch: Batch, steps: int, noise_std: float):
@@ -126,7 +149,8 @@ def heldout_accuracy(head, target, batches, depth: int) -> dict[str, float]:
     """Top-1 accuracy at draft positions 1..depth against the target's own argmax over the
     full vocabulary, and the chain tau it implies: 1 + sum_d prod_{i<=d} acc_i. A draft LM
     predicts position 1 only here (its deeper positions need its own tokens: the bench measures them)."""
-    depth = 1 if isinstance(head, DraftLM) else depth
+    depth = 1 if isinstance(head, DraftLM) else min(depth, head.arch.num_heads) if isinstance(head, MedusaHeads) \
+        else depth
     hits, counts = torch.zeros(depth), torch.zeros(depth)
     rows = draft_lm_head_weight(head, target).to(next(p for p in head.parameters() if p.requires_grad).dtype)
     for batch in batches:

@@ -11,10 +11,11 @@ from torch import nn
 from eagle_lab.errors import EagleLabError
 from eagle_lab.head import save_head
 from eagle_lab.head_kinds import new_head
+from eagle_lab.medusa import MedusaArch, MedusaHeads, save_medusa
 from eagle_lab.target import Target
 from eagle_lab.training.draft_lm import DraftLM, new_draft_lm, save_draft_lm
 
-KINDS = ("eagle2", "eagle3", "draft_lm")
+KINDS = ("eagle2", "eagle3", "draft_lm", "medusa")
 
 
 def check_kind(cfg) -> None:
@@ -27,6 +28,10 @@ def check_kind(cfg) -> None:
 def new_trainable(target: Target, cfg, vocab_ids: torch.Tensor, device: torch.device) -> nn.Module:
     if cfg.kind == "draft_lm":
         module = new_draft_lm(target, cfg.draft_layers, cfg.seed, vocab_ids)
+    elif cfg.kind == "medusa":
+        if cfg.medusa_heads < 1:
+            raise EagleLabError(f"head.medusa_heads must be >= 1, got {cfg.medusa_heads}")
+        module = MedusaHeads(MedusaArch(target.hidden_size, target.vocab_size, cfg.medusa_heads), vocab_ids)
     else:
         module = new_head(target, kind=cfg.kind, draft_vocab_ids=vocab_ids, seed=cfg.seed,
                           feature_layers=tuple(cfg.feature_layers), layer_from_target=cfg.init_layer_from_target)
@@ -40,7 +45,7 @@ def trained_dtype(module: nn.Module) -> torch.dtype:
 
 
 def draft_vocab_size(module: nn.Module) -> int:
-    return module.draft_to_target.numel() if isinstance(module, DraftLM) else module.arch.draft_vocab_size
+    return module.draft_to_target.numel()
 
 
 def export_trainable(module: nn.Module, target: Target, directory: Path) -> tuple[Path, str]:
@@ -48,6 +53,9 @@ def export_trainable(module: nn.Module, target: Target, directory: Path) -> tupl
     if isinstance(module, DraftLM):
         out = save_draft_lm(module, target, directory)
         return out, f"python serve.py target={target.name} method=draft_model draft_model.path={out}"
+    if isinstance(module, MedusaHeads):
+        out = save_medusa(module, directory)
+        return out, f"python serve.py target={target.name} method=medusa medusa.path={out}"
     out = save_head(module, directory)
     return out, f"python serve.py target={target.name} head.path={out}"
 

@@ -36,7 +36,7 @@ from eagle_lab.training.draft_vocab import draft_vocabulary, supervised_counts
 from eagle_lab.training.engine import deepspeed_config, init_distributed, lr_lambda
 from eagle_lab.training.features import Example, features_key
 from eagle_lab.training.global_batch import global_batch_step
-from eagle_lab.training.losses import Batch, heldout_accuracy
+from eagle_lab.training.losses import Batch, heldout_accuracy, prediction_steps
 from eagle_lab.training.regenerate import regenerated_pool, target_rewrite
 from eagle_lab.training.stop import GracefulStop
 from eagle_lab.training.trainable import (check_kind, draft_vocab_size, export_trainable, new_trainable,
@@ -313,8 +313,9 @@ class Recipe:
         cfg = self.cfg
         batches = [self._batch(self.train_source.get(indices, with_greedy=self.loss_needs_greedy))
                    for indices in self._next_global_batch()]
+        steps = prediction_steps(self.head, cfg.head.ttt_steps)
         self._last_loss, self._last_metrics = global_batch_step(self.engine, self.target, rows, batches, cfg.loss,
-                                                                cfg.head.ttt_steps, self.world, self._autocast)
+                                                                steps, self.world, self._autocast)
         self._last_tokens = sum(int(batch.valid.sum()) for batch in batches)
         self.step += 1
 

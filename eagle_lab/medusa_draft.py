@@ -1,0 +1,52 @@
+"""`method=medusa`: Medusa heads draft the tree; the target verifies it losslessly.
+
+Each round the heads read the target's feature of the last committed token (the one that chose
+the root) and give, for depth d, head d's top-k tokens. The tree grows as EAGLE-2's dynamic tree
+(`draft.grow_dynamic_tree`), except that a node's children do not depend on the node: every
+frontier node at depth d gets head d+1's top-k. Verification is the exact rejection rule of every
+other drafter, not Medusa's typical acceptance, so the output is the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle_lab.draft import Candidates, TreeShape, grow_dynamic_tree
+from eagle_lab.head import draft_lm_head_weight
+from eagle_lab.medusa import MedusaHeads
+from eagle_lab.target import Target
+from eagle_lab.tree import DraftTree, root_only_tree
+
+
+class MedusaDrafter:
+    feature_layers: tuple[int, ...] = ()  # reads the top feature
+    ngram = None
+
+    def __init__(self, heads: MedusaHeads, target: Target, shape: TreeShape):
+        self.heads, self.target = heads.eval(), target
+        self.shape = TreeShape(min(shape.depth, heads.arch.num_heads), shape.topk, shape.total_tokens)
+        self.rows = draft_lm_head_weight(heads, target)  # [Vd, H] the target's LM-head rows
+        self.last_candidates: Candidates | None = None
+
+    def reset(self) -> None:
+        pass  # no state between rounds: the heads read the newest target feature only
+
+    @torch.no_grad()
+    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+        root = int(sequence[-1])
+        depth = min(self.shape.depth, max_depth)
+        if depth < 1 or self.shape.topk < 1 or self.shape.total_tokens < 1:
+            return root_only_tree(root, sequence.device)
+        k = min(self.shape.topk, self.rows.shape[0])
+        feature = new_features[-1:].to(self.rows.dtype)  # [1, H] the feature that chose the root
+        outputs = self.heads(feature)[:depth]  # per depth [1, H]
+        logp = torch.cat([self.heads.draft_logits(h, self.rows) for h in outputs]).float().log_softmax(-1)  # [D, Vd]
+        top_logp, top_ids = logp.topk(k, dim=-1)  # [D, k]
+        top_tokens = self.heads.draft_to_target[top_ids]  # [D, k] target token ids
+
+        def expand(level: int, frontier_tokens: torch.Tensor, rows: torch.Tensor | None, visible: torch.Tensor):
+            return top_logp[level].expand(k, k), top_tokens[level].expand(k, k)  # the same children for every node
+
+        tree, self.last_candidates = grow_dynamic_tree(root, top_logp[0], top_tokens[0], depth,
+                                                       self.shape.total_tokens, expand)
+        return tree
