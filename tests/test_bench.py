@@ -13,10 +13,13 @@ from eagle_lab.benchmark.aggregate import acceptance_by_depth, ngram_share
 from eagle_lab.benchmark.hf_baseline import cut_hf_output
 from eagle_lab.benchmark.methods import GREEDY_ONLY, METHODS
 from eagle_lab.benchmark.run import run_bench
-from eagle_lab.config import BenchConfig, HeadConfig, NgramConfig, ServeConfig, TreeConfig
+from eagle_lab.config import BenchConfig, HeadConfig, MedusaConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats
-from eagle_lab.target import TargetConfig
+from eagle_lab.medusa import save_medusa
+from eagle_lab.target import TargetConfig, load_target
+from eagle_lab.tiny import TinyModelConfig
+from tests.test_medusa import random_heads
 
 pytestmark = pytest.mark.slow  # every test here runs whole benches (tens of seconds each)
 
@@ -26,13 +29,18 @@ PROMPTS = ["Tell me about the sea.", "def add(a, b):", "Count: one two three fou
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     """One in-process bench run: every method at T=0 and T=1 on three prompts, the target compiled
-    (vanilla and the speculative methods on the static compiled path, vanilla_eager beside them)."""
+    (vanilla and the speculative methods on the static compiled path, vanilla_eager beside them);
+    the draft model is a one-layer tiny LM, the Medusa heads random."""
     tmp = tmp_path_factory.mktemp("bench")
     prompts_file = tmp / "prompts.jsonl"
     prompts_file.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS) + "\n", encoding="utf-8")
+    medusa_dir = save_medusa(random_heads(load_target(TargetConfig(name="tiny_llama", source="tiny", device="cpu"))),
+                             tmp / "medusa")
     cfg = ServeConfig(compile="true",
         target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
         head=HeadConfig(path="random"),
+        draft_model=TargetConfig(name="draft", source="tiny", tiny=TinyModelConfig(num_layers=1, seed=3)),
+        medusa=MedusaConfig(path=str(medusa_dir)),
         tree=TreeConfig(auto=False, depth=4, topk=4, total_tokens=12),  # a fixed tree: eagle must draft here
         bench=BenchConfig(dataset=str(prompts_file), limit=0, methods=list(METHODS), temperatures=[0.0, 1.0],
                           warmup=1),
