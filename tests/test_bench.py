@@ -87,9 +87,10 @@ def test_bench_writes_results(bench_run, capsys):
     assert greedy["vanilla"]["tau"] == 1.0 and greedy["vanilla"]["speedup"] == 1.0
     assert saved["summary"]["1.0"]["eagle"]["greedy_mismatches"] is None
     for temperature in ("0.0", "1.0"):
-        rows = saved["summary"][temperature]["eagle"]["acceptance_by_depth"]
-        assert rows and rows[0]["depth"] == 1 and rows[0]["reached"] > 0
-        assert all(0 <= r["accepted"] <= r["reached"] for r in rows)
+        for method in ("eagle", "draft_model", "medusa"):  # every drafter that grows trees by depth
+            rows = saved["summary"][temperature][method]["acceptance_by_depth"]
+            assert rows and rows[0]["depth"] == 1 and rows[0]["reached"] > 0, method
+            assert all(0 <= r["accepted"] <= r["reached"] for r in rows)
     for temperature in ("0.0", "1.0"):
         rows = saved["summary"][temperature]
         assert rows["eagle"]["ngram_share"] in (0.0, None)  # eagle alone never merges n-gram branches
@@ -203,7 +204,7 @@ def test_methods_with_tree_presets_run_side_by_side(tmp_path):
     assert all(greedy[m]["greedy_mismatches"] == 0 for m in cfg.bench.methods)
     assert greedy["eagle@cpu"]["acceptance_by_depth"][0]["reached"] > 0  # acceptance by depth for any eagle tree
     table = (tmp_path / "run" / "results.md").read_text(encoding="utf-8")
-    assert "| 0.0 | eagle@cpu |" in table and "| 0.0 | eagle@cpu | " in table.split("acceptance rate")[1]
+    assert "| 0.0 | eagle@cpu |" in table and "| 0.0 | eagle@cpu | " in table.split("Acceptance rate by tree depth")[1]
 
 
 @pytest.mark.parametrize("method, message", [("eagle@nope", "unknown tree preset 'nope'.*cpu"),

@@ -39,7 +39,7 @@ def summarise(methods: list[str], runs: dict[str, list[Run]], greedy: bool) -> d
             "acceptance_by_depth": None,
             "ngram_share": None,
         }
-        if split_method(method)[0] == "eagle":
+        if split_method(method)[0] in ("eagle", "draft_model", "medusa"):  # trees without n-gram chains
             row["acceptance_by_depth"] = acceptance_by_depth([r.stats for r in method_runs if r.stats])
         if split_method(method)[0] in SPECULATIVE:
             row["ngram_share"] = ngram_share([r.stats for r in method_runs if r.stats])

@@ -54,7 +54,7 @@ def write_markdown(results: dict[str, Any]) -> str:
                   for method, row in m.items() if row.get("acceptance_by_depth")}
     if depth_rows:
         depth = max(len(rows) for rows in depth_rows.values())
-        lines += ["", "EAGLE acceptance rate by tree depth (accepted / reached):", "",
+        lines += ["", "Acceptance rate by tree depth (accepted / reached):", "",
                   "| T | method | " + " | ".join(f"d={d}" for d in range(1, depth + 1)) + " |",
                   "|---|---|" + "---:|" * depth]
         for (temperature, method), rows in depth_rows.items():
@@ -101,7 +101,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
             if points:
                 left.plot(*zip(*points), marker="o", label=f"{method} T={temperature}")
                 plotted = True
-    left.set(title="EAGLE acceptance rate by depth", xlabel="tree depth d",
+    left.set(title="Acceptance rate by tree depth", xlabel="tree depth d",
              ylabel="P(accept >= d | tree reached d)", ylim=(0, 1.05))
     if plotted:
         left.legend()
