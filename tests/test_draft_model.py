@@ -13,14 +13,13 @@ from eagle_lab.draft import TreeShape
 from eagle_lab.draft import untuned_shape
 from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper, generate, speculative_decode
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.target import Target, TargetConfig
 from eagle_lab.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
 from tests.conftest import small_vocab_target
 from tests.test_greedy_lossless import prompts, run_both
-from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
+from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs, sampled_sequences
 
 
 def small_lm(target: Target, seed: int = 7, layers: int = 1) -> Target:
@@ -60,13 +59,7 @@ def test_sampling_keeps_the_targets_distribution():
     draft = small_vocab_target(seed=9)
     params, prompt, length, samples = SamplingParams(temperature=0.9), torch.tensor([1, 4, 2, 0]), 3, 3000
     drafter = DraftModelDrafter(draft, TreeShape(2, 2, 4), target.vocab_size)
-    generator = torch.Generator().manual_seed(13)
-    counts, accepted_any = {}, 0
-    for _ in range(samples):
-        result = generate(speculative_decode(target, drafter, prompt, params,
-                                             Stopper(target.tokenizer, length, set()), generator))
-        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
-        accepted_any += result.stats.accepted_draft_tokens > 0
+    counts, accepted_any = sampled_sequences(target, drafter, prompt, params, length, samples, seed=13)
     assert 0.1 * samples < accepted_any < samples  # useful but imperfect drafts: the test means something
     assert chi_square_pvalue(counts, exact_sequence_probs(target, prompt, params, length), samples) > ALPHA
 

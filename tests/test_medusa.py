@@ -11,14 +11,13 @@ from eagle_lab.builders import build_medusa_drafter
 from eagle_lab.config import MedusaConfig, TreeConfig
 from eagle_lab.draft import TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper, generate, speculative_decode
 from eagle_lab.medusa import MedusaArch, MedusaHeads, load_medusa, save_medusa
 from eagle_lab.medusa_draft import MedusaDrafter
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.training.losses import Batch, _medusa_predictions
 from tests.conftest import small_vocab_target
 from tests.test_greedy_lossless import prompts, run_both
-from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
+from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs, sampled_sequences
 
 
 def random_heads(target, num_heads: int = 3, seed: int = 0) -> MedusaHeads:
@@ -65,13 +64,7 @@ def test_sampling_keeps_the_targets_distribution():
     target = small_vocab_target()
     params, prompt, length, samples = SamplingParams(temperature=0.9), torch.tensor([1, 4, 2, 0]), 3, 3000
     drafter = MedusaDrafter(random_heads(target, num_heads=2, seed=3), target, TreeShape(2, 2, 4))
-    generator = torch.Generator().manual_seed(17)
-    counts, accepted_any = {}, 0
-    for _ in range(samples):
-        result = generate(speculative_decode(target, drafter, prompt, params,
-                                             Stopper(target.tokenizer, length, set()), generator))
-        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
-        accepted_any += result.stats.accepted_draft_tokens > 0
+    counts, accepted_any = sampled_sequences(target, drafter, prompt, params, length, samples, seed=17)
     assert 0.1 * samples < accepted_any < samples
     assert chi_square_pvalue(counts, exact_sequence_probs(target, prompt, params, length), samples) > ALPHA
 
