@@ -79,6 +79,9 @@ class ServerConfig:
     max_queue: int = 64  # requests waiting for a slot; one more is answered 429
     # tree=auto: a tree per batch size, shrinking as the batch grows (eagle_lab/serving/tree_per_batch.py)
     tree_per_batch: bool = True
+    # compiled decoding: the most tokens (prompt + completion) one request may hold; each of the
+    # max_batch rows of the static cache is sized for it (the eager path uses the target's context)
+    context: int = 2048
 
 
 @dataclass

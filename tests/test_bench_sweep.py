@@ -22,7 +22,7 @@ def sweep_config(tmp_path, **bench) -> ServeConfig:
         head=HeadConfig(path="random"),
         tree=TreeConfig(auto=False, depth=3, topk=2, total_tokens=6),
         bench=BenchConfig(dataset=str(prompts_file), limit=0, **bench),
-        mode="bench", max_new_tokens=10, ignore_eos=True, chat=False,
+        mode="bench", max_new_tokens=10, ignore_eos=True, chat=False, compile="false",
     )
 
 

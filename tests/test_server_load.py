@@ -115,7 +115,7 @@ def test_concurrent_clients_with_bad_ones_in_the_middle(tmp_path):
 def test_eight_concurrent_greedy_requests_on_smollm2_equal_batch_one(tmp_path):
     """The embedded SmolLM2 target with its packaged head (tree=cpu): 8 concurrent chat requests,
     scored together in padded batched forwards, each equal to serve.py's batch-1 output."""
-    overrides = ["target=smollm2_135m", "tree=cpu"]
+    overrides = ["target=smollm2_135m", "tree=cpu", "compile=false"]  # eager, as the reference run
     questions = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
                  "Write a haiku about rain.", "Who wrote Hamlet?", "Explain gravity in one sentence.",
                  "List two fruits that are red.", "What does a compiler do?"]

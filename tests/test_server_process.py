@@ -163,7 +163,7 @@ def test_server_keys_are_typed_and_default_sensibly(monkeypatch):
 @pytest.mark.slow
 def test_smollm2_chat_over_http_equals_serve_py(tmp_path):
     """The embedded SmolLM2 target with its packaged head: two short chat requests (one streamed)."""
-    overrides = ["target=smollm2_135m", "tree=cpu"]
+    overrides = ["target=smollm2_135m", "tree=cpu", "compile=false"]  # eager, as the reference run
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     expected = reference([*overrides, "max_new_tokens=16", "temperature=0"], [messages], tmp_path)[0]
     with RunningServer(serve_config(*overrides)) as running:

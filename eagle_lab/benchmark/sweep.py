@@ -28,6 +28,8 @@ from eagle_lab.benchmark.prompt_sets import load_bench_prompts
 from eagle_lab.benchmark.report import write_sweep
 from eagle_lab.builders import make_drafter
 from eagle_lab.config import ServeConfig
+from eagle_lab.decoding.backend import build_backend
+from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.draft import EagleDrafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.prompts import encode_prompt
@@ -36,7 +38,7 @@ from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine, Finished, Plan
 from eagle_lab.serving.scheduler import Job
-from eagle_lab.serving.server import batch_trees
+from eagle_lab.serving.server import batch_trees, serving_rows
 from eagle_lab.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -71,14 +73,20 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
     if levels[-1] > len(encoded):
         log.warning("bench.concurrency %d > %d prompts: the batch can never fill (raise bench.limit)", levels[-1],
                     len(encoded))
-    engines = {method: _engine(cfg, method, target, max(levels)) for method in methods}
+    backend = build_backend(target, cfg.compile, cfg.decoding)
+    # compiled: every method's sequences take rows of one static cache (methods run in turns, never together)
+    shared_rows = serving_rows(backend, max(levels), max(len(ids) for ids in encoded) + cfg.max_new_tokens)
+    engines = {method: _engine(cfg, method, target, max(levels), backend, shared_rows) for method in methods}
     trees = {method: per_batch for method, (_, per_batch) in engines.items()}
     rows = []
     for temperature in cfg.bench.temperatures:
         params = SamplingParams(temperature, cfg.top_k, cfg.top_p)
         if cfg.bench.warmup:
             for engine, per_batch in engines.values():
-                run_level(engine, target, per_batch, encoded[: cfg.bench.warmup], params, cfg, 1)  # untimed
+                # untimed; compiled, each batch size's graphs are built here rather than inside a timed level
+                for level in levels if shared_rows is not None else [1]:
+                    run_level(engine, target, per_batch, encoded[: max(cfg.bench.warmup, level)], params, cfg, level,
+                              shared_rows)
         for turn, level in enumerate(levels):
             # the methods take turns at each level (first one rotating), so a drift in the machine's
             # speed over the sweep falls on every method alike (bench.interleave)
@@ -88,7 +96,7 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
                 engine, batch_trees = engines[method]
                 log.info("sweep: %s at T=%g, %d concurrent clients, %d prompts", method, temperature, level,
                          len(encoded))
-                result = run_level(engine, target, batch_trees, encoded, params, cfg, level)
+                result = run_level(engine, target, batch_trees, encoded, params, cfg, level, shared_rows)
                 rows.append({"method": method, "temperature": float(temperature), "concurrency": level,
                              **result, "tree": tree_label(batch_trees, level)})
     rows.sort(key=lambda r: (r["temperature"], methods.index(r["method"]), r["concurrency"]))
@@ -96,6 +104,7 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
     results = {"config": {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
                           "dataset": cfg.bench.dataset, "prompts": len(encoded), "max_new_tokens": cfg.max_new_tokens,
                           "ignore_eos": cfg.ignore_eos, "tree_auto": cfg.tree.auto, "methods": methods,
+                          "decoding": backend.name,
                           "concurrency": levels},
                "trees": {m: {str(b): s for b, s in t["shapes"].items()} for m, t in trees.items()},
                "rows": rows}
@@ -103,17 +112,17 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
     return results
 
 
-def _engine(cfg: ServeConfig, method: str, target: Target, max_batch: int):
+def _engine(cfg: ServeConfig, method: str, target: Target, max_batch: int, backend, rows: StaticRows | None):
     """The server's engine for `method`, and its tree per batch size ({batch: shape dict or 'plain'})."""
     method_cfg = replace(cfg, method=method, server=replace(cfg.server, max_batch=max_batch))
-    prototype = make_drafter(method_cfg, target)
-    trees = batch_trees(method_cfg, target, prototype)
+    prototype = make_drafter(method_cfg, target, backend)
+    trees = batch_trees(method_cfg, target, prototype, rows)
     own = None
     if isinstance(prototype, EagleDrafter):
         own = {**asdict(prototype.shape), "ngram_tokens": prototype.ngram.max_tokens if prototype.ngram else 0}
     shapes = {b: ({**asdict(trees[b].shape), "ngram_tokens": trees[b].ngram_tokens or 0} if b in trees else own)
               for b in range(1, max_batch + 1)}
-    return Engine(method_cfg, target, drafter_factory(prototype)), {"shapes": shapes, "trees": trees}
+    return Engine(method_cfg, target, drafter_factory(prototype), rows), {"shapes": shapes, "trees": trees}
 
 
 def tree_label(batch_trees: dict, batch: int) -> str:
@@ -129,9 +138,9 @@ def tree_label(batch_trees: dict, batch: int) -> str:
 
 
 def run_level(engine, target: Target, batch_trees: dict, encoded: list[list[int]], params: SamplingParams,
-              cfg: ServeConfig, level: int) -> dict[str, Any]:
+              cfg: ServeConfig, level: int, rows: StaticRows | None = None) -> dict[str, Any]:
     """All prompts through a fresh BatchScheduler (max_batch = level) from `level` closed-loop clients."""
-    scheduler = BatchScheduler(level, len(encoded) + level, target, batch_trees["trees"])
+    scheduler = BatchScheduler(level, len(encoded) + level, target, batch_trees["trees"], rows=rows)
     plans = [Plan(ids, params, cfg.max_new_tokens, [], cfg.ignore_eos, cfg.seed) for ids in encoded]
     outputs: list[list[int] | None] = [None] * len(plans)
     latency = [0.0] * len(plans)

@@ -70,7 +70,7 @@ def can_compile(device: torch.device) -> tuple[bool, str]:
 
 
 class _Step(nn.Module):
-    """backbone + LM head over K tokens after the cached prefix; the unit that is compiled."""
+    """backbone + LM head over R rows of K tokens after the cached prefix; the unit that is compiled."""
 
     def __init__(self, target: Target):
         super().__init__()
@@ -82,12 +82,12 @@ class _Step(nn.Module):
                             output_hidden_states=bool(layer_ids), **{self.cache_kwarg: cache})
         layers = None
         if layer_ids:
-            layers = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)  # [1, K, n*H]
-        return out.last_hidden_state, layers  # [1, K, H]
+            layers = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)  # [R, K, n*H]
+        return out.last_hidden_state, layers  # [R, K, H]
 
     def forward(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
         hidden, layers = self.hidden(cache, input_ids, positions, mask, layer_ids)
-        return hidden, layers, self.lm_head(hidden).float()  # logits [1, K, V]
+        return hidden, layers, self.lm_head(hidden).float()  # logits [R, K, V]
 
 
 class StepCompiler:
@@ -116,7 +116,7 @@ class StepCompiler:
 
     @torch.no_grad()
     def run(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
-        key = (cache.capacity, input_ids.shape[1], layer_ids)
+        key = (cache.capacity, input_ids.shape[0], input_ids.shape[1], layer_ids)
         if not self.compiled:
             return self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
         with inductor_settings(self._settings):
@@ -125,12 +125,14 @@ class StepCompiler:
             return self._first_call(key, cache, input_ids, positions, mask, layer_ids)
 
     def _first_call(self, key, cache, input_ids, positions, mask, layer_ids):
-        log.info("compiling the target step for %d tokens over a %d-token cache (first time: minutes on a small "
-                 "CPU; kept in %s for later processes)", key[1], key[0], inductor_cache_dir())
+        capacity, rows, tokens = key[:3]
+        shape = f"{rows} x {tokens} tokens" if rows > 1 else f"{tokens} tokens"
+        log.info("compiling the target step for %s over a %d-token cache (first time: minutes on a small "
+                 "CPU; kept in %s for later processes)", shape, capacity, inductor_cache_dir())
         start = time.perf_counter()
         out = self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
         self._graphs.add(key)
-        log.info("compiled the %d-token step in %.0f s", key[1], time.perf_counter() - start)
+        log.info("compiled the %s step in %.0f s", shape, time.perf_counter() - start)
         return out
 
 

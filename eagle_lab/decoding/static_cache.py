@@ -1,11 +1,16 @@
 """A preallocated KV cache for the target, written in place (Hugging Face's `StaticCache`).
 
-Every layer holds [B, kvH, capacity, D] tensors at fixed addresses, which is what lets a
-compiled forward (and a captured CUDA graph) reuse one graph round after round. The cache
-writes each forward's K/V at its own counter (`cumulative_length`); this module owns that
-counter: `set_length` rewinds it, and `keep_accepted` moves a verified tree path in place
-right after the committed prefix. Entries past the committed length are stale and stay
-hidden by the attention mask (eagle_lab/decoding/scoring.py) until they are overwritten.
+Every layer holds [R, kvH, capacity, D] tensors at fixed addresses, which is what lets a
+compiled forward (and a captured CUDA graph) reuse one graph round after round. R is 1 for
+one sequence; the server keeps one row per sequence it decodes (static_rows.py). The cache
+writes each forward's K/V at its own counter (`cumulative_length`), the same positions in
+every row; this module owns that counter: `set_length` rewinds it, and `keep_accepted`
+moves a verified tree path in place right after a row's committed prefix. Entries past a
+row's committed length are stale and stay hidden by the attention mask until overwritten.
+
+`view(rows, length)` is a cache over the first `rows` rows (or one row) and the first
+`length` positions that shares this one's storage: a forward over fewer rows, or over a
+shorter prefix (attention reads every position it is given), writes straight into it.
 """
 
 from __future__ import annotations
@@ -16,15 +21,28 @@ from transformers import StaticCache
 from eagle_lab.errors import EagleLabError
 
 
+def _kv_shape(config) -> tuple[int, int]:
+    """(key/value heads, head dim) of a decoder config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return kv_heads, head_dim
+
+
 class StaticKVCache:
-    def __init__(self, config, capacity: int, device: torch.device, dtype: torch.dtype):
-        self.capacity = capacity
-        self.hf_cache = StaticCache(config=config, max_cache_len=capacity)
+    def __init__(self, config, capacity: int, device: torch.device, dtype: torch.dtype, rows: int = 1,
+                 hf_cache: StaticCache | None = None):
+        self.capacity, self.rows = capacity, rows
+        self.config, self.device, self.dtype = config, device, dtype
+        self.hf_cache = hf_cache if hf_cache is not None else StaticCache(config=config, max_cache_len=capacity)
         for layer in self.hf_cache.layers:
             if getattr(layer, "is_sliding", False):
                 raise EagleLabError("sliding-window attention layers are not supported by the static cache; "
                                     "use compile=false (the dynamic cache)")
-        self.device, self.dtype = device, dtype
+        if hf_cache is None:  # allocated up front, so that views can be taken before the first forward
+            kv_heads, head_dim = _kv_shape(config)
+            self.hf_cache.early_initialization(rows, kv_heads, head_dim, dtype, device)
+        self._views: dict[tuple[int, int, int], StaticKVCache] = {}
 
     @property
     def layers(self):
@@ -35,25 +53,51 @@ class StaticKVCache:
         return all(getattr(layer, "is_initialized", False) for layer in self.layers)
 
     def set_length(self, length: int) -> None:
-        """The next forward writes its K/V from position `length` on."""
+        """The next forward writes its K/V from position `length` on (in every row)."""
         if not 0 <= length <= self.capacity:
             raise ValueError(f"cache length {length} outside [0, {self.capacity}]")
         for layer in self.layers:
             layer.cumulative_length.fill_(length)
 
-    def keep_accepted(self, past: int, accepted: torch.Tensor) -> None:
-        """Keep positions [0, past) plus past + accepted (node indices in path order), in place.
+    def view(self, start: int, rows: int, length: int) -> StaticKVCache:
+        """Rows [start, start + rows) and positions [0, length) of this cache, sharing its storage."""
+        if not self.initialised:
+            raise ValueError("a view of a cache that no forward has allocated")
+        key = (start, rows, length)
+        if key not in self._views:
+            hf_view = StaticCache(config=self.config, max_cache_len=length)
+            for own, layer in zip(self.layers, hf_view.layers):
+                layer.lazy_initialization(own.keys[:1, :, :1], own.values[:1, :, :1])  # sets dtype, device, heads
+                layer.keys = own.keys[start:start + rows, :, :length]  # [rows, kvH, length, D], a view
+                layer.values = own.values[start:start + rows, :, :length]
+                layer.batch_size = rows
+                if self.device.type == "cuda":
+                    torch._dynamo.mark_static_address(layer.keys)
+                    torch._dynamo.mark_static_address(layer.values)
+            self._views[key] = StaticKVCache(self.config, length, self.device, self.dtype, rows, hf_cache=hf_view)
+        return self._views[key]
+
+    def keep_accepted(self, past: int, accepted: torch.Tensor, row: int = 0, scored_at: int | None = None) -> None:
+        """Keep row `row`'s positions [0, past) plus its scored entries at scored_at + accepted (node
+        indices in path order; scored_at defaults to past), in place.
 
         accepted: [L] int64, accepted[0] = 0 (the root). The accepted entries move to
         past .. past + L - 1; the counter is set to past + L."""
+        scored_at = past if scored_at is None else scored_at
         count = accepted.numel()
-        contiguous = bool((accepted == torch.arange(count, device=accepted.device)).all())
+        contiguous = scored_at == past and bool((accepted == torch.arange(count, device=accepted.device)).all())
         if not contiguous:
-            source = accepted.to(self.device) + past  # [L]
+            source = accepted.to(self.device) + scored_at  # [L]
             for layer in self.layers:
                 if not layer.is_initialized:
                     continue
-                # keys/values: [B, kvH, capacity, D]; index_select copies, so source and target may overlap
-                layer.keys[:, :, past:past + count] = layer.keys.index_select(2, source)
-                layer.values[:, :, past:past + count] = layer.values.index_select(2, source)
+                for tensor in (layer.keys, layer.values):  # [R, kvH, capacity, D]
+                    # index_select copies, so source and target may overlap
+                    tensor[row, :, past:past + count] = tensor[row].index_select(1, source)
         self.set_length(past + count)
+
+    def move_row(self, source: int, target: int, length: int) -> None:
+        """Copy row `source`'s first `length` positions into row `target` (packing the rows in use)."""
+        for layer in self.layers:
+            for tensor in (layer.keys, layer.values):
+                tensor[target, :, :length] = tensor[source, :, :length]

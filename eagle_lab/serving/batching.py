@@ -27,7 +27,9 @@ import logging
 from eagle_lab.draft import TreeShape
 from eagle_lab.serving.batch import PaddedBatch
 from eagle_lab.serving.batch_draft import BatchDrafter
+from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.serving.scheduler import Job, Scheduler
+from eagle_lab.serving.sequence import score_rows
 from eagle_lab.target import Target
 from eagle_lab.verify import verify_rows
 
@@ -38,8 +40,10 @@ class BatchScheduler(Scheduler):
     """Jobs' `start` must return an eagle_lab.serving.engine.Decoding."""
 
     def __init__(self, max_batch: int, max_queue: int, target: Target, trees: dict[int, TreeShape] | None = None,
-                 batched_drafting: bool = True):
+                 batched_drafting: bool = True, rows: StaticRows | None = None):
+        """rows: the static path's shared cache (the engine's sequences live in it); None: padded dynamic caches."""
         super().__init__(max_batch, max_queue)
+        self.rows = rows
         self.target = target
         self.trees = trees or {}  # batch size -> tree (empty: every drafter keeps its own tree)
         self.batch_sizes: dict[int, int] = {}  # batch size -> rounds scored at that size (for /health, bench)
@@ -66,13 +70,16 @@ class BatchScheduler(Scheduler):
             if self.drafting is not None:
                 self.drafting.release()  # a lone sequence drafts on its own head cache
             drafted = [job for job in ready if self._step(job, lambda job=job: job.stream.sequence.draft(shape))]
-        if len(drafted) < 2:
+        if len(drafted) < 2 and self.rows is None:
             self.batch.release()  # a lone sequence (or none) runs on its own cache
         if not drafted:
             return
         sequences = [job.stream.sequence for job in drafted]
         try:
-            scored = [sequences[0].score_alone()] if len(drafted) == 1 else self.batch.score(sequences)
+            if self.rows is not None:
+                scored = score_rows(self.rows, sequences)
+            else:
+                scored = [sequences[0].score_alone()] if len(drafted) == 1 else self.batch.score(sequences)
         except Exception as exc:  # noqa: BLE001 - a failed forward fails its jobs, not the server
             self.batch.drop()  # its cache may be half-updated; every member is in this forward
             for job in drafted:
@@ -81,6 +88,9 @@ class BatchScheduler(Scheduler):
         self.batch_sizes[len(drafted)] = self.batch_sizes.get(len(drafted), 0) + 1
         if len(drafted) == 1:
             verdicts: list = [None]  # batch 1: accept() walks its tree itself, exactly as generate.py
+        elif self.rows is not None:  # the forward computed every node's logits: the walks only read them
+            verdicts = verify_rows([(job.stream.sequence.verification(), row.logits)
+                                    for job, row in zip(drafted, scored)], lambda rows: rows)
         else:  # every row's verification in lockstep: one LM-head call per step for all rows
             verdicts = verify_rows([(job.stream.sequence.verification(), row.features)
                                     for job, row in zip(drafted, scored)], self.target.logits)

@@ -20,6 +20,7 @@ from jinja2.exceptions import TemplateError
 
 from eagle_lab.builders import make_generator
 from eagle_lab.config import ServeConfig
+from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.draft import Drafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats, Stopper
@@ -81,9 +82,12 @@ class _Collector:
 
 
 class Engine:
-    def __init__(self, cfg: ServeConfig, target: Target, new_drafter: Callable[[], Drafter | None]):
-        self.cfg, self.target, self.new_drafter = cfg, target, new_drafter
+    def __init__(self, cfg: ServeConfig, target: Target, new_drafter: Callable[[], Drafter | None],
+                 rows: StaticRows | None = None):
+        """rows: compiled decoding's shared static cache (every sequence takes a row); None: eager, dynamic caches."""
+        self.cfg, self.target, self.new_drafter, self.rows = cfg, target, new_drafter, rows
         self.model_name = target.name
+        self.context = rows.context if rows is not None else target.max_context
 
     # ---- HTTP side: checks, tokenization ----
 
@@ -133,11 +137,11 @@ class Engine:
             raise APIError(400, f"the target's chat template refused these messages: {exc}", param) from exc
 
     def _plan(self, request: SamplingFields, ids: list[int], max_tokens: int | None, prompt_param: str) -> Plan:
-        context = self.target.max_context
+        context = self.context
         if not ids:
             raise APIError(400, "the prompt is empty", prompt_param)
         if len(ids) >= context:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; the target's context of {context} leaves no "
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context of {context} tokens leaves no "
                                 "room to generate", prompt_param, "context_length_exceeded")
         if max_tokens is None:
             max_tokens = min(self.cfg.max_new_tokens, context - len(ids))
@@ -173,7 +177,8 @@ class Engine:
         stopper = Stopper(target.tokenizer, plan.max_tokens, eos, plan.stop)
         plain = self.cfg.method == "vanilla"
         sequence = Sequence(target, None if plain else self.new_drafter(), as_tensor(plan.prompt_ids, target.device),
-                            plan.params, stopper, make_generator(plan.seed, target.device), plain=plain)
+                            plan.params, stopper, make_generator(plan.seed, target.device), plain=plain,
+                            rows=self.rows)
         return Decoding(sequence, target.tokenizer, plan, name)
 
 

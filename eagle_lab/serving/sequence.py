@@ -8,7 +8,9 @@ at the target forward so that one forward can score the trees of many sequences:
                  plain decoding chosen for this batch size); split in prepare_draft() and
                  set_tree() so that eagle_lab.serving.batch_draft can draft many sequences at once
   -- the scheduler scores the tree: score_alone() (batch 1: exactly generate.py's call) or
-     eagle_lab.serving.batch.PaddedBatch.score() (one padded forward for all sequences) --
+     eagle_lab.serving.batch.PaddedBatch.score() (one padded forward for all sequences); on the
+     static path (compiled decoding) every batch size, 1 included, is one forward of
+     eagle_lab.decoding.static_rows.StaticRows over the sequences' rows: score_rows() --
   accept(scored) verify with this sequence's own generator, compact its cache, emit tokens (at
                  batch > 1 the rows' verification walks run in lockstep first, one LM-head call
                  per step for all rows: verification() and eagle_lab.verify.verify_rows)
@@ -28,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from eagle_lab.cache import keep_accepted
+from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.draft import BatchTree, Drafter, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats, Stopper, _check_prompt, _head_features, _ngram_counts, score_tree
@@ -44,13 +47,16 @@ class Scored:
     features: torch.Tensor  # (N, H) top features at the tree nodes
     head_features: torch.Tensor  # (N, F) what the drafter reads at those nodes
     keep: Callable[[torch.Tensor], None]  # accepted node indices (L,) -> the cache holds past + those
+    logits: torch.Tensor | None = None  # (N, V) when the forward computed every node's logits (static path)
 
 
 class Sequence:
-    """plain=True is method=vanilla: no drafter, and at batch 1 the exact vanilla_decode forward."""
+    """plain=True is method=vanilla: no drafter, and at batch 1 the exact vanilla_decode forward.
+    rows: the static path's shared cache (the sequence takes a row of it); None: its own DynamicCache."""
 
     def __init__(self, target: Target, drafter: Drafter | None, prompt_ids: torch.Tensor, params: SamplingParams,
-                 stopper: Stopper, generator: torch.Generator | None, plain: bool = False):
+                 stopper: Stopper, generator: torch.Generator | None, plain: bool = False,
+                 rows: StaticRows | None = None):
         if plain and drafter is not None:
             raise EagleLabError("plain decoding takes no drafter")
         self.target, self.drafter, self.prompt_ids = target, drafter, prompt_ids  # prompt_ids: (T,)
@@ -58,7 +64,9 @@ class Sequence:
         self.layer_ids = tuple(getattr(drafter, "feature_layers", ()))  # EAGLE-3 heads read several layers
         self.own_shape: TreeShape | None = getattr(drafter, "shape", None)  # the drafter's tree at batch 1
         self.own_ngram = getattr(drafter, "ngram", None)  # and its n-gram proposer (hybrid drafting)
-        self.cache = target.new_cache()
+        self.rows = rows
+        self.row = rows.attach() if rows is not None else None
+        self.cache = target.new_cache() if rows is None else None
         self.stats = GenerationStats()
         self.reason = ""  # why it stopped ('' while running)
         self.sequence: torch.Tensor | None = None  # (T + emitted,) committed tokens; the last is the root
@@ -84,10 +92,15 @@ class Sequence:
         _check_prompt(self.target, self.prompt_ids)
         if self.drafter is not None:
             self.drafter.reset()
-        out = self.target.forward(self.prompt_ids[None], self.cache, layer_ids=self.layer_ids)
-        self.unseen = _head_features(out)[0] if self.drafter is not None else None  # (T, F)
+        if self.rows is not None:
+            features, layers = self.rows.prefill(self.row, self.prompt_ids, self.layer_ids)  # (T, H), (T, F) or None
+            head = features if layers is None else layers
+        else:
+            out = self.target.forward(self.prompt_ids[None], self.cache, layer_ids=self.layer_ids)
+            features, head = out.features[0], _head_features(out)[0]
+        self.unseen = head if self.drafter is not None else None  # (T, F)
         self.stats.target_forwards += 1
-        root = next_token(self.target.logits(out.features[0, -1]), self.params, self.generator)
+        root = next_token(self.target.logits(features[-1]), self.params, self.generator)
         self.sequence = self.prompt_ids
         return self._emit([root])
 
@@ -131,6 +144,8 @@ class Sequence:
     @torch.no_grad()
     def score_alone(self) -> Scored:
         """Batch 1: the very forward generate.py runs (vanilla_decode's when plain)."""
+        if self.rows is not None:
+            return score_rows(self.rows, [self])[0]
         tree, past = self.tree, self.past
         if self.plain:
             out = self.target.forward(tree.tokens[None], self.cache)  # (1, 1) token
@@ -149,7 +164,9 @@ class Sequence:
         """verdict: (accepted nodes (L + 1,), bonus) from this round's verification() walk; None
         walks it here, one LM-head call per node, as generate.py does at batch 1."""
         tree, features = self.tree, scored.features  # features: (N, H)
-        if verdict is None:
+        if verdict is None and scored.logits is not None:
+            verdict = run_steps(self.verification(), lambda node: scored.logits[node])
+        elif verdict is None:
             verdict = run_steps(self.verification(), lambda node: self.target.logits(features[node]))
         accepted, bonus = verdict  # (L + 1,), int
         scored.keep(accepted)
@@ -176,4 +193,14 @@ class Sequence:
         self.reason = reason
         self.stats.stop_reason, self.stats.wall_s = reason, time.perf_counter() - self.start
         self.cache = None  # free the KV cache now (a cancelled or finished sequence)
+        if self.row is not None:
+            self.rows.detach(self.row)
         self.tree = self.unseen = None
+
+
+def score_rows(rows: StaticRows, sequences: list[Sequence]) -> list[Scored]:
+    """One static forward over every sequence's tree (each on its row of `rows`)."""
+    scores = rows.score([s.row for s in sequences], [s.tree for s in sequences], sequences[0].layer_ids)
+    return [Scored(score.features, score.head_features,
+                   lambda accepted, row=s.row, score=score: rows.keep(row, score, accepted), score.logits)
+            for s, score in zip(sequences, scores)]

@@ -13,13 +13,18 @@ import socket
 
 from eagle_lab.builders import make_drafter, ngram_proposer
 from eagle_lab.config import ServeConfig, ServerConfig
+from eagle_lab.decoding.backend import StaticBackend, build_backend
+from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
 from eagle_lab.target import load_target
+from eagle_lab.serving.static_trees import trees_on_rows
 from eagle_lab.serving.tree_per_batch import trees_per_batch
+from eagle_lab.tree_search.auto import calibration_prompts
+from eagle_lab.tree_search.space import TreeSearchConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +34,8 @@ def check_server_config(cfg: ServerConfig) -> None:
         raise EagleLabError(f"server.port must be in 0..65535 (0 = any free port), got {cfg.port}")
     if cfg.max_batch < 1:
         raise EagleLabError(f"server.max_batch must be >= 1, got {cfg.max_batch}")
+    if cfg.context < 2:
+        raise EagleLabError(f"server.context must be >= 2 tokens (prompt + completion), got {cfg.context}")
     if cfg.max_queue < 1:
         raise EagleLabError(f"server.max_queue must be >= 1, got {cfg.max_queue}")
     if not cfg.host.strip():
@@ -56,17 +63,34 @@ def build_app(cfg: ServeConfig):
     from eagle_lab.serving.app import create_app  # fastapi is an optional extra: imported only to serve
 
     target = load_target(cfg.target)
-    prototype = make_drafter(cfg, target)
-    engine = Engine(cfg, target, drafter_factory(prototype))
-    scheduler = BatchScheduler(cfg.server.max_batch, cfg.server.max_queue, target, batch_trees(cfg, target, prototype))
+    backend = build_backend(target, cfg.compile, cfg.decoding)
+    rows = serving_rows(backend, cfg.server.max_batch, cfg.server.context)
+    prototype = make_drafter(cfg, target, backend)
+    engine = Engine(cfg, target, drafter_factory(prototype), rows)
+    scheduler = BatchScheduler(cfg.server.max_batch, cfg.server.max_queue, target,
+                               batch_trees(cfg, target, prototype, rows), rows=rows)
     return create_app(engine, scheduler, cfg.server.api_key), engine, scheduler
 
 
-def batch_trees(cfg: ServeConfig, target, prototype) -> dict:
-    """tree=auto with server.tree_per_batch: the tree for each batch size (eagle_lab/serving/tree_per_batch.py);
-    else {} (every sequence drafts the drafter's own tree at any batch size)."""
+def serving_rows(backend, max_batch: int, context: int) -> StaticRows | None:
+    """Compiled decoding: one static cache of max_batch rows of `context` tokens that every sequence
+    decodes in (eagle_lab/decoding/static_rows.py); eager: None (each sequence its own dynamic cache)."""
+    if not isinstance(backend, StaticBackend):
+        return None
+    log.info("compiled decoding: %d rows of %d tokens in one static cache", max_batch, context)
+    return StaticRows(backend, max_batch, context, token_buckets=[1, *backend.buckets])
+
+
+def batch_trees(cfg: ServeConfig, target, prototype, rows: StaticRows | None = None) -> dict:
+    """tree=auto with server.tree_per_batch: the tree for each batch size (eagle_lab/serving/tree_per_batch.py;
+    compiled, eagle_lab/serving/static_trees.py); else {} (every sequence drafts the drafter's own tree)."""
     if not (cfg.tree.auto and cfg.server.tree_per_batch and isinstance(prototype, EagleDrafter)):
         return {}
+    if rows is not None:
+        log.info("tree=auto: timing the batch-1 tree against plain decoding at each batch size up to %d, compiled",
+                 cfg.server.max_batch)
+        return trees_on_rows(target, prototype, rows, cfg.server.max_batch, calibration_prompts(target),
+                             TreeSearchConfig().new_tokens, cfg.tree.batch_min_gain)
     fixed = TreeShape(cfg.tree.depth, cfg.tree.topk, cfg.tree.total_tokens)
     log.info("tree=auto: choosing a tree for each batch size up to %d before listening (timed once per target, "
              "head and device, then cached; a few minutes on a 2-core CPU the first time)", cfg.server.max_batch)

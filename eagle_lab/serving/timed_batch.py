@@ -13,26 +13,28 @@ import time
 
 import torch
 
+from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.draft import BatchTree, EagleDrafter
 from eagle_lab.generate import Stopper
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.serving.batch import PaddedBatch
 from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.drafters import fork_eagle
-from eagle_lab.serving.sequence import Sequence
+from eagle_lab.serving.sequence import Sequence, score_rows
 from eagle_lab.target import Target
 from eagle_lab.verify import verify_rows
 
 
 @torch.no_grad()
 def timed_batch_decoding(target: Target, prototype: EagleDrafter, prompts: list[list[int]], tree: BatchTree,
-                         new_tokens: int) -> dict:
+                         new_tokens: int, rows: StaticRows | None = None) -> dict:
     """Greedy decoding of len(prompts) sequences in one batch, every round with `tree`, until the
     first sequence has `new_tokens` (so the batch size never changes; eos is ignored). Prefills
     are not timed. -> {"tokens", "rounds", "seconds"} summed over the batch's rounds, and "outputs": each
-    sequence's tokens (greedy, so a tree changes how fast they come, never which)."""
+    sequence's tokens (greedy, so a tree changes how fast they come, never which).
+    rows: the static path's shared cache (compiled decoding), as the scheduler would use it."""
     sequences = [Sequence(target, fork_eagle(prototype), torch.tensor(ids, device=target.device), SamplingParams(),
-                          Stopper(target.tokenizer, new_tokens, set()), None) for ids in prompts]
+                          Stopper(target.tokenizer, new_tokens, set()), None, rows=rows) for ids in prompts]
     for sequence in sequences:
         sequence.prefill()
     drafting, batch = BatchDrafter(), PaddedBatch(target)
@@ -44,9 +46,14 @@ def timed_batch_decoding(target: Target, prototype: EagleDrafter, prompts: list[
             failed = next((exc for exc in errors if exc is not None), None)
             if failed is not None:
                 raise failed
-            scored = batch.score(sequences)
-            verdicts = verify_rows([(s.verification(), row.features) for s, row in zip(sequences, scored)],
-                                   target.logits)
+            if rows is not None:  # every node's logits come with the forward
+                scored = score_rows(rows, sequences)
+                verdicts = verify_rows([(s.verification(), row.logits) for s, row in zip(sequences, scored)],
+                                       lambda logits: logits)
+            else:
+                scored = batch.score(sequences)
+                verdicts = verify_rows([(s.verification(), row.features) for s, row in zip(sequences, scored)],
+                                       target.logits)
             for sequence, row, verdict in zip(sequences, scored, verdicts):
                 if isinstance(verdict, Exception):
                     raise verdict
@@ -55,5 +62,8 @@ def timed_batch_decoding(target: Target, prototype: EagleDrafter, prompts: list[
     finally:
         drafting.release()
         batch.drop()
+        for sequence in sequences:
+            if not sequence.done:
+                sequence.finish("timed")  # gives its static row back
     return {"tokens": tokens, "rounds": rounds, "seconds": time.perf_counter() - start,
             "outputs": [list(s.stopper.generated) for s in sequences]}

@@ -1,0 +1,168 @@
+"""Several sequences on one static cache, scored together by one fixed-shape forward (the server's
+compiled path).
+
+Each sequence owns a row of a preallocated cache [R, kvH, capacity, D] (R = the server's
+max_batch). A round over b sequences runs the backend's step (compiled or eager) over the
+first `bucket(b)` rows, the view that `StaticKVCache.view` gives, so a few graphs serve every
+batch size. Rows hold their own pasts; a forward writes every row's new tokens at the same
+positions (what `StaticCache` does), after the longest committed row:
+
+  keys/values  rows [0, B), positions [0, P + K)   P = max past_i over the rows in use, K = bucket of the
+                                                  largest tree; row i: its past in [0, past_i), stale
+                                                  entries up to P, its tree at [P, P + n_i)
+  input_ids    (B, K)      padded with token 0
+  positions    (B, K)      past_i + depth of each node (padding: P + its column)
+  mask         (B, 1, K, L) additive, L = P + K rounded up to a cache block: a node sees row i's past
+                           and its ancestors; a padded query (or a row not in this round) sees only itself
+
+Verification then moves row i's accepted entries from P + node to past_i + j, in place. Rows
+in use are kept at the front: when a sequence leaves, the last row in use moves into its slot
+(`pack`), so b sequences always fit the first bucket(b) rows. Attention reads only the first
+L positions, so a round's cost follows the longest sequence, not the cache's capacity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagle_lab.decoding.backend import StaticBackend
+from eagle_lab.decoding.static_cache import StaticKVCache
+from eagle_lab.errors import EagleLabError
+from eagle_lab.tree import DraftTree
+
+
+@dataclass
+class Row:
+    """A sequence's place in the shared cache: its row (moved by packing) and committed length."""
+
+    index: int
+    past: int = 0
+    attached: bool = True
+
+
+@dataclass
+class RowScore:
+    features: torch.Tensor  # (n, H) top features at the tree's nodes
+    head_features: torch.Tensor  # (n, F) what the drafter reads there
+    logits: torch.Tensor  # (n, V) float32: every node's logits from the step's one LM-head matmul
+    scored_at: int  # where the tree's K/V was written (P)
+
+
+def row_buckets(rows: int) -> list[int]:
+    """Powers of two below `rows`, then `rows`: the row counts a forward runs at."""
+    sizes, size = [], 1
+    while size < rows:
+        sizes.append(size)
+        size *= 2
+    return sizes + [rows]
+
+
+class StaticRows:
+    def __init__(self, backend: StaticBackend, rows: int, context: int, token_buckets: list[int] | None = None):
+        """context: the most tokens (prompt + generated) one sequence may hold."""
+        if rows < 1:
+            raise EagleLabError(f"a static batch needs at least one row, got {rows}")
+        self.backend, self.target = backend, backend.target
+        self.context = min(context, self.target.max_context)
+        block = backend.cache_block
+        self.capacity = -(-(self.context + backend.slack) // block) * block
+        self.cache = StaticKVCache(self.target.config, self.capacity, self.target.device, self.target.dtype, rows=rows)
+        self.buckets = row_buckets(rows)
+        self.token_buckets = sorted(token_buckets) if token_buckets else None
+        self.rows: list[Row | None] = [None] * rows
+
+    # ---- membership ----
+
+    def attach(self) -> Row:
+        for index, row in enumerate(self.rows):
+            if row is None:
+                self.rows[index] = Row(index)
+                return self.rows[index]
+        raise EagleLabError(f"all {len(self.rows)} rows of the static batch are in use")
+
+    def detach(self, row: Row) -> None:
+        if row.attached:
+            self.rows[row.index], row.attached = None, False
+
+    def pack(self) -> int:
+        """Move rows in use to the front; -> how many are in use."""
+        used = [row for row in self.rows if row is not None]
+        for slot, row in enumerate(used):
+            if row.index != slot:
+                self.cache.move_row(row.index, slot, row.past)
+                self.rows[slot], self.rows[row.index] = row, None
+                row.index = slot
+        return len(used)
+
+    # ---- forwards ----
+
+    def _length(self, needed: int) -> int:
+        """Positions a forward attends over: `needed` rounded up to a cache block (one graph per length)."""
+        block = self.backend.cache_block
+        return min(self.capacity, -(-needed // block) * block)
+
+    @torch.no_grad()
+    def prefill(self, row: Row, prompt_ids: torch.Tensor, layer_ids: tuple[int, ...] = ()):
+        """prompt_ids: [T] into this row alone, eagerly (prompt lengths vary) -> hidden [T, H], layers [T, F] or None."""
+        count = prompt_ids.numel()
+        if count > self.context:
+            raise EagleLabError(f"the prompt has {count} tokens, more than a sequence may hold here ({self.context})")
+        length = self._length(count)
+        view = self.cache.view(row.index, 1, length)
+        view.set_length(0)
+        causal = torch.ones(count, count, dtype=torch.bool, device=prompt_ids.device).tril()  # [T, T]
+        mask = self.backend.mask(causal, past=0, capacity=length)  # [1, 1, T, L]
+        positions = torch.arange(count, device=prompt_ids.device)[None]  # [1, T]
+        hidden, layers = self.backend.forward_eager(view, prompt_ids[None], positions, mask, layer_ids)
+        row.past = count
+        return hidden[0], None if layers is None else layers[0]
+
+    @torch.no_grad()
+    def score(self, rows: list[Row], trees: list[DraftTree], layer_ids: tuple[int, ...] = ()) -> list[RowScore]:
+        """One forward over every row's tree (rows: attached, in any order) -> one RowScore per row."""
+        in_use = self.pack()
+        device, dtype = self.target.device, self.target.dtype
+        batch = next(size for size in self.buckets if size >= in_use)
+        width = max(row.past for row in self.rows[:in_use])  # P: no row's committed entries lie past it
+        nodes = max(tree.size for tree in trees)
+        tokens_per_row = self._token_bucket(nodes)
+        if width + tokens_per_row > self.capacity:
+            raise EagleLabError(f"the static batch cache ({self.capacity}) cannot hold {tokens_per_row} more tokens "
+                                f"after {width}")
+        length = self._length(width + tokens_per_row)
+        columns = torch.arange(tokens_per_row, device=device)  # [K]
+        input_ids = torch.zeros(batch, tokens_per_row, dtype=torch.long, device=device)  # (B, K)
+        positions = (width + columns).repeat(batch, 1)  # (B, K)
+        allowed = torch.zeros(batch, tokens_per_row, length, dtype=torch.bool, device=device)  # (B, K, L)
+        allowed[:, columns, width + columns] = True  # padding sees itself
+        for row, tree in zip(rows, trees):
+            n, i = tree.size, row.index
+            input_ids[i, :n] = tree.tokens
+            positions[i, :n] = row.past + tree.depths
+            allowed[i, :n, :row.past] = True
+            allowed[i, :n, width:width + n] = tree.mask.to(device)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        view = self.cache.view(0, batch, length)
+        view.set_length(width)
+        hidden, layers, logits = self.backend.step(view, input_ids, positions, mask[:, None], layer_ids)
+        out = []
+        for row, tree in zip(rows, trees):
+            n, i = tree.size, row.index
+            top = hidden[i, :n]  # (n, H)
+            out.append(RowScore(top, top if layers is None else layers[i, :n], logits[i, :n], width))
+        return out
+
+    def keep(self, row: Row, scored: RowScore, accepted: torch.Tensor) -> None:
+        """After verification: the row keeps its past and then its accepted nodes (L,)."""
+        self.cache.keep_accepted(row.past, accepted, row=row.index, scored_at=scored.scored_at)
+        row.past += accepted.numel()
+
+    def _token_bucket(self, count: int) -> int:
+        if self.token_buckets:
+            for size in self.token_buckets:
+                if size >= count:
+                    return size
+        return self.backend.bucket(count)

@@ -1,0 +1,137 @@
+"""The server's static path (eagle_lab/decoding/static_rows.py): several sequences as rows of one
+preallocated cache, scored by one fixed-shape forward, decode exactly as each does alone.
+
+Row scoring is compared with a dynamic cache through trees, ragged pasts and non-contiguous
+compaction on every family; whole decodes (greedy, seeded sampling) are compared token for
+token with generate.py alone while sequences of different lengths finish and leave, so rows are
+packed (moved) under the others; the scheduler and the compiled step are run end to end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_lab.decoding.backend import EagerBackend, StaticBackend
+from eagle_lab.decoding.static_rows import StaticRows, row_buckets
+from eagle_lab.errors import EagleLabError
+from eagle_lab.generate import Stopper
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.serving.batching import BatchScheduler
+from eagle_lab.serving.engine import Engine
+from eagle_lab.serving.sequence import Sequence, score_rows
+from eagle_lab.tree import build_tree
+from eagle_lab.serving.drafters import fork_eagle
+from tests.scheduler_helpers import expected_alone, plan, run_plans
+from tests.serving_helpers import serve_config
+from tests.test_server_batching import LENGTHS, PROMPTS, alone, encoded, make_drafters
+
+
+def static_rows(target, rows=4, context=256, compiled=False) -> StaticRows:
+    return StaticRows(StaticBackend(target, [4, 8, 16], cache_block=64, compiled=compiled), rows, context)
+
+
+def test_row_buckets():
+    assert row_buckets(1) == [1] and row_buckets(8) == [1, 2, 4, 8] and row_buckets(6) == [1, 2, 4, 6]
+
+
+def test_rows_score_like_dynamic_caches(tiny_target):
+    """Two rows of different pasts, a tree and a chain in one forward, a non-contiguous path kept,
+    then a second forward: every node's logits as each sequence's own dynamic cache gives them."""
+    rows = static_rows(tiny_target)
+    prompts = encoded(tiny_target, PROMPTS[1:3])
+    dynamic = [EagerBackend(tiny_target).open(p.numel(), 32) for p in prompts]
+    handles = [rows.attach() for _ in prompts]
+    for scorer, handle, prompt in zip(dynamic, handles, prompts):
+        features, _ = rows.prefill(handle, prompt)
+        torch.testing.assert_close(features, scorer.prefill(prompt).features, atol=1e-4, rtol=1e-4)
+    tree = build_tree(torch.tensor([5, 9, 11, 13, 17]), torch.tensor([-1, 0, 0, 1, 3]))
+    chain = build_tree(torch.tensor([7, 8]), torch.tensor([-1, 0]))
+    for trees, kept in (([tree, chain], [torch.tensor([0, 1, 3]), torch.tensor([0, 1])]),
+                        ([chain, tree], [torch.tensor([0]), torch.tensor([0, 2])])):
+        scores = rows.score(handles, trees)
+        for scorer, handle, score, t, accepted in zip(dynamic, handles, scores, trees, kept):
+            expected = scorer.score(t.tokens, t.depths, t.mask)
+            torch.testing.assert_close(score.logits, expected.logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(score.features, expected.features, atol=1e-4, rtol=1e-4)
+            rows.keep(handle, score, accepted)
+            scorer.commit(accepted)
+            assert handle.past == scorer.past
+
+
+def decode_on_rows(target, drafters, prompts, params, lengths, seeds, rows: StaticRows):
+    """Every round of all live sequences in one static forward; -> (tokens, target forwards) each, moves."""
+    sequences = [Sequence(target, d, p, params, Stopper(target.tokenizer, n, set()), torch.Generator().manual_seed(s),
+                          plain=d is None, rows=rows) for d, p, n, s in zip(drafters, prompts, lengths, seeds)]
+    tokens = [s.prefill() for s in sequences]
+    live, moved = [s for s in sequences if not s.done], 0
+    while live:
+        for sequence in live:
+            sequence.draft()
+        before = [s.row.index for s in live]
+        scored = score_rows(rows, live)
+        moved += sum(a != s.row.index for a, s in zip(before, live))
+        for sequence, row in zip(live, scored):
+            tokens[sequences.index(sequence)] += sequence.accept(row)
+        live = [s for s in live if not s.done]
+    assert all(row is None for row in rows.rows)  # every finished sequence gave its row back
+    return [(t, s.stats.target_forwards) for t, s in zip(tokens, sequences)], moved
+
+
+@pytest.mark.parametrize("kinds", [("eagle", "oracle", "ngram", "eagle-small"), ("vanilla",) * 4,
+                                   ("draft_model", "medusa", "eagle")], ids=["mixed4", "vanilla4", "other3"])
+def test_greedy_on_rows_equals_alone(tiny_target, kinds):
+    prompts, lengths = encoded(tiny_target, PROMPTS[:len(kinds)]), LENGTHS[:len(kinds)]
+    expected = [alone(tiny_target, d, p, SamplingParams(), n, 0)
+                for d, p, n in zip(make_drafters(tiny_target, kinds), prompts, lengths)]
+    got, moved = decode_on_rows(tiny_target, make_drafters(tiny_target, kinds), prompts, SamplingParams(), lengths,
+                                [0] * len(kinds), static_rows(tiny_target))
+    assert got == expected  # tokens and target forwards
+    if len(kinds) == 4:
+        assert moved >= 1  # the first to finish (row 3, 18 tokens) was not last: a row was packed
+
+
+def test_seeded_sampling_on_rows_equals_alone(tiny_llama):
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    kinds, seeds = ("eagle", "oracle", "vanilla"), (3, 4, 5)
+    prompts, lengths = encoded(tiny_llama, PROMPTS[:3]), LENGTHS[:3]
+    expected = [alone(tiny_llama, d, p, params, n, s)
+                for d, p, n, s in zip(make_drafters(tiny_llama, kinds), prompts, lengths, seeds)]
+    got, _ = decode_on_rows(tiny_llama, make_drafters(tiny_llama, kinds), prompts, params, lengths, seeds,
+                            static_rows(tiny_llama))
+    assert got == expected
+
+
+def test_rows_refuse_what_they_cannot_hold(tiny_llama):
+    rows = static_rows(tiny_llama, rows=2, context=64)
+    first, _ = rows.attach(), rows.attach()
+    with pytest.raises(EagleLabError, match="rows of the static batch are in use"):
+        rows.attach()
+    with pytest.raises(EagleLabError, match="more than a sequence may hold here"):
+        rows.prefill(first, torch.arange(3, 70))
+
+
+def test_scheduler_on_rows_serves_like_alone(tiny_llama):
+    """The server's scheduler on the static path: six requests through three rows, joining and
+    leaving between rounds; each gets generate.py's tokens alone."""
+    rows = static_rows(tiny_llama, rows=3)
+    prototype = make_drafters(tiny_llama, ["eagle"])[0]
+    engine = Engine(serve_config("method=eagle"), tiny_llama, lambda: fork_eagle(prototype), rows=rows)
+    scheduler = BatchScheduler(3, 8, tiny_llama, rows=rows)
+    plans = [plan(engine, text, n) for text, n in zip(PROMPTS + PROMPTS[:2], LENGTHS + LENGTHS[:2])]
+    clients = run_plans(scheduler, engine, plans)
+    assert [c.tokens for c in clients] == [expected_alone(engine, p) for p in plans]
+    assert max(scheduler.batch_sizes) == 3
+    assert all(row is None for row in rows.rows)
+
+
+@pytest.mark.slow
+def test_compiled_rows_decode_like_eager_rows(tiny_llama):
+    """The compiled step over 1, 2 and 4 rows gives the eager step's tokens (greedy)."""
+    kinds = ("eagle", "oracle", "vanilla", "eagle-small")
+    prompts, lengths = encoded(tiny_llama, PROMPTS), LENGTHS
+    runs = {}
+    for compiled in (False, True):
+        runs[compiled], _ = decode_on_rows(tiny_llama, make_drafters(tiny_llama, kinds), prompts, SamplingParams(),
+                                           lengths, [0] * 4, static_rows(tiny_llama, compiled=compiled))
+    assert runs[True] == runs[False]
