@@ -12,6 +12,7 @@ from eagle_lab.card import read_card
 from eagle_lab.config import HeadConfig, MedusaConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
 from eagle_lab.draft import Drafter, EagleDrafter, TreeShape, untuned_shape
+from eagle_lab.draft_lm_store import is_layers_only, load_layers_only
 from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer
 from eagle_lab.medusa import load_medusa
 from eagle_lab.medusa_draft import MedusaDrafter
@@ -27,12 +28,19 @@ from eagle_lab.tree_search.auto import auto_tree
 
 log = logging.getLogger(__name__)
 PACKAGED_HEADS = Path(__file__).parent / "assets" / "heads"
+PACKAGED_DRAFTERS = Path(__file__).parent / "assets" / "drafters"  # <target>/draft_lm, <target>/medusa
 METHODS = ("eagle", "vanilla", "ngram", "draft_model", "medusa")
 SPECULATIVE = ("eagle", "ngram", "eagle+ngram", "draft_model", "medusa")  # decoders that run a drafter through speculative_decode
 
 
 def packaged_head_dir(target_name: str) -> Path | None:
     candidate = PACKAGED_HEADS / target_name
+    return candidate if (candidate / "config.json").is_file() else None
+
+
+def packaged_drafter_dir(target_name: str, kind: str) -> Path | None:
+    """The drafter of `kind` (draft_lm, medusa) packaged for a target, if there is one."""
+    candidate = PACKAGED_DRAFTERS / target_name / kind
     return candidate if (candidate / "config.json").is_file() else None
 
 
@@ -121,20 +129,33 @@ def make_drafter(cfg: ServeConfig, target: Target, backend: Backend | None = Non
 
 
 def build_draft_model_drafter(cfg: TargetConfig, tree: TreeConfig, target: Target) -> DraftModelDrafter:
-    """method=draft_model: the draft LM on the target's device, checked to share its tokenizer."""
-    if cfg.source == "pretrained" and not cfg.path:
-        raise EagleLabError("method=draft_model needs draft_model.path=DIR: a Hugging Face causal LM that "
-                            "shares the target's tokenizer")
-    draft = load_target(replace(cfg, device=str(target.device)))
-    check_same_tokenizer(target, draft)
+    """method=draft_model: the draft LM on the target's device, checked to share its tokenizer; with no
+    draft_model.path, the one packaged for the target (eagle_lab/assets/drafters/<target>/draft_lm)."""
+    path = cfg.path
+    if cfg.source == "pretrained" and not path:
+        packaged = packaged_drafter_dir(target.name, "draft_lm")
+        if packaged is None:
+            raise EagleLabError(f"method=draft_model needs draft_model.path=DIR for target '{target.name}' (no draft "
+                                "model is packaged for it): a Hugging Face causal LM that shares the target's "
+                                "tokenizer, or one trained with python train.py head=draft_lm")
+        path = str(packaged)
+    if cfg.source == "pretrained" and is_layers_only(path):
+        draft = load_layers_only(path, target)  # the target's tokenizer, embeddings and LM head
+    else:
+        draft = load_target(replace(cfg, path=path, device=str(target.device)))
+        check_same_tokenizer(target, draft)
     return DraftModelDrafter(draft, untuned_shape("draft_model", tree.auto, tree.depth, tree.topk, tree.total_tokens),
                              target.vocab_size)
 
 
 def build_medusa_drafter(cfg: MedusaConfig, tree: TreeConfig, target: Target) -> MedusaDrafter:
-    """method=medusa: heads trained with head=medusa (medusa.path=DIR)."""
-    if not cfg.path:
-        raise EagleLabError("method=medusa needs medusa.path=DIR: Medusa heads trained with "
-                            "python train.py head=medusa")
-    heads = load_medusa(cfg.path, target)
+    """method=medusa: heads trained with head=medusa (medusa.path=DIR; none: those packaged for the target)."""
+    path = cfg.path
+    if not path:
+        packaged = packaged_drafter_dir(target.name, "medusa")
+        if packaged is None:
+            raise EagleLabError(f"method=medusa needs medusa.path=DIR for target '{target.name}' (no Medusa heads are "
+                                "packaged for it): heads trained with python train.py head=medusa")
+        path = str(packaged)
+    heads = load_medusa(path, target)
     return MedusaDrafter(heads, target, untuned_shape("medusa", tree.auto, tree.depth, tree.topk, tree.total_tokens))

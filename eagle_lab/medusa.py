@@ -27,6 +27,7 @@ class MedusaArch:
     vocab_size: int  # the target's
     num_heads: int = 4
     draft_vocab_size: int = 0  # 0: the full vocabulary
+    own_projections: bool = False  # each head its own [V, H] vocabulary projection (Medusa's layout, imported)
     kind: str = "medusa"
 
 
@@ -40,6 +41,8 @@ class MedusaHeads(nn.Module):
             nn.init.zeros_(block.bias)
         ids = draft_vocab_ids if draft_vocab_ids is not None else torch.arange(arch.vocab_size)
         self.register_buffer("draft_to_target", ids.long(), persistent=True)
+        if arch.own_projections:  # [K, V, H]; else every head reads the target's LM head
+            self.register_buffer("projections", torch.zeros(arch.num_heads, arch.vocab_size, arch.hidden_size))
         self.reduced_vocab = ids.numel() < arch.vocab_size
         arch.draft_vocab_size = ids.numel()
 
@@ -49,6 +52,13 @@ class MedusaHeads(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor, target_rows: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, target_rows)
+
+    def head_rows(self, index: int, target_rows: torch.Tensor) -> torch.Tensor:
+        """[Vd, H]: the vocabulary rows head `index` scores with (its own, or the target's LM head's)."""
+        if self.arch.own_projections:
+            return self.projections[index].index_select(0, self.draft_to_target) if self.reduced_vocab \
+                else self.projections[index]
+        return target_rows
 
 
 def save_medusa(heads: MedusaHeads, directory: str | Path) -> Path:
@@ -60,7 +70,12 @@ def save_medusa(heads: MedusaHeads, directory: str | Path) -> Path:
 
 
 def load_medusa(directory: str | Path, target) -> MedusaHeads:
+    """eagle_lab's layout (config.json kind medusa + model.safetensors) or the Medusa project's."""
+    from eagle_lab.medusa_layout import import_medusa_layout, is_medusa_layout
+
     directory = Path(directory).expanduser()
+    if is_medusa_layout(directory):
+        return import_medusa_layout(directory, target)
     try:
         arch = MedusaArch(**json.loads((directory / CONFIG_NAME).read_text()))
         state = load_file(str(directory / WEIGHTS_NAME))

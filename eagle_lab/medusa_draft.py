@@ -40,7 +40,8 @@ class MedusaDrafter:
         k = min(self.shape.topk, self.rows.shape[0])
         feature = new_features[-1:].to(self.rows.dtype)  # [1, H] the feature that chose the root
         outputs = self.heads(feature)[:depth]  # per depth [1, H]
-        logp = torch.cat([self.heads.draft_logits(h, self.rows) for h in outputs]).float().log_softmax(-1)  # [D, Vd]
+        logp = torch.cat([self.heads.draft_logits(h, self.heads.head_rows(i, self.rows))
+                          for i, h in enumerate(outputs)]).float().log_softmax(-1)  # [D, Vd]
         top_logp, top_ids = logp.topk(k, dim=-1)  # [D, k]
         top_tokens = self.heads.draft_to_target[top_ids]  # [D, k] target token ids
 

@@ -11,6 +11,7 @@ from eagle_lab.builders import build_draft_model_drafter
 from eagle_lab.config import TreeConfig
 from eagle_lab.draft import TreeShape
 from eagle_lab.draft import untuned_shape
+from eagle_lab.draft_lm_store import is_layers_only, load_layers_only, save_layers_only
 from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer
 from eagle_lab.errors import EagleLabError
 from eagle_lab.sampling import SamplingParams
@@ -79,6 +80,31 @@ def test_a_missing_or_bad_path_is_one_clear_error(tiny_llama, tmp_path):
     with pytest.raises(EagleLabError, match="not a model directory"):
         build_draft_model_drafter(TargetConfig(name="draft_model", source="pretrained", path=str(tmp_path)),
                                   TreeConfig(), tiny_llama)
+
+
+def test_layers_only_layout_takes_embeddings_from_the_target(tiny_llama, tmp_path):
+    """The packaged layout keeps the draft LM's own layers only; loaded against its target it is
+    the same model, sharing the target's embedding and LM-head tensors."""
+    draft = small_lm(tiny_llama)
+    draft.model.get_input_embeddings().weight.data.copy_(tiny_llama.embed_tokens.weight)
+    draft.model.get_output_embeddings().weight.data.copy_(tiny_llama.lm_head.weight)
+    draft.model.save_pretrained(tmp_path / "full")
+    compact = save_layers_only(tmp_path / "full", tiny_llama.name, tmp_path / "compact", dtype=torch.float32)
+    assert is_layers_only(compact) and not is_layers_only(tmp_path / "full")
+    loaded = load_layers_only(compact, tiny_llama)
+    assert loaded.model.get_input_embeddings().weight is tiny_llama.embed_tokens.weight
+    assert loaded.model.get_output_embeddings().weight is tiny_llama.lm_head.weight
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    torch.testing.assert_close(loaded.model(ids).logits, draft.model(ids).logits)
+    drafter = build_draft_model_drafter(TargetConfig(name="draft_model", source="pretrained", path=str(compact)),
+                                        TreeConfig(auto=False, depth=3, topk=2, total_tokens=5), tiny_llama)
+    plain, spec = run_both(tiny_llama, drafter, prompts(1)[0], new_tokens=24)
+    assert spec.token_ids == plain.token_ids
+    with pytest.raises(EagleLabError, match="was trained for target"):
+        load_layers_only(compact, small_vocab_target())
+    with pytest.raises(EagleLabError, match="not a layers-only draft LM"):
+        (compact / "layers.safetensors").unlink()
+        load_layers_only(compact, tiny_llama)
 
 
 def test_tree_shape_follows_the_tree_config():

@@ -6,11 +6,13 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from eagle_lab.builders import build_medusa_drafter
 from eagle_lab.config import MedusaConfig, TreeConfig
 from eagle_lab.draft import TreeShape
 from eagle_lab.errors import EagleLabError
+from eagle_lab.medusa_layout import export_medusa_layout, is_medusa_layout
 from eagle_lab.medusa import MedusaArch, MedusaHeads, load_medusa, save_medusa
 from eagle_lab.medusa_draft import MedusaDrafter
 from eagle_lab.sampling import SamplingParams
@@ -81,6 +83,31 @@ def test_saved_heads_load_back_and_bad_directories_are_refused(tiny_llama, tmp_p
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "hidden_size": 7}))
     with pytest.raises(EagleLabError, match="hidden size 7"):
         load_medusa(tmp_path / "m", tiny_llama)
+
+
+def test_medusa_layout_round_trips_and_own_projections_are_kept(tiny_llama, tmp_path):
+    """Export to the Medusa project's layout and back gives the same drafts; heads whose vocabulary
+    projections were trained (not the target's LM head) keep them, and still verify losslessly."""
+    heads = random_heads(tiny_llama)
+    exported = export_medusa_layout(heads, tiny_llama, tmp_path / "medusa")
+    assert is_medusa_layout(exported) and json.loads((exported / "config.json").read_text())["medusa_num_heads"] == 3
+    back = load_medusa(exported, tiny_llama)  # load_medusa reads either layout
+    assert not back.arch.own_projections
+    feature = torch.randn(1, tiny_llama.hidden_size)
+    for a, b in zip(heads(feature), back(feature)):
+        torch.testing.assert_close(a, b)
+    state = load_file(str(exported / "medusa_lm_head.safetensors"))
+    state["1.1.weight"] = state["1.1.weight"] + 0.5 * torch.randn(state["1.1.weight"].shape)  # a trained projection
+    save_file(state, str(exported / "medusa_lm_head.safetensors"))
+    own = load_medusa(exported, tiny_llama)
+    assert own.arch.own_projections and torch.equal(own.head_rows(1, tiny_llama.lm_head.weight), state["1.1.weight"])
+    drafter = MedusaDrafter(own, tiny_llama, TreeShape(3, 2, 5))
+    plain, spec = run_both(tiny_llama, drafter, prompts(1)[0], new_tokens=24)
+    assert spec.token_ids == plain.token_ids
+    state.pop("2.0.linear.bias")
+    save_file(state, str(exported / "medusa_lm_head.safetensors"))
+    with pytest.raises(EagleLabError, match="lacks Medusa weights"):
+        load_medusa(exported, tiny_llama)
 
 
 def test_head_medusa_trains_exports_and_serves_losslessly(tmp_path):

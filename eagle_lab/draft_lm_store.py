@@ -1,0 +1,76 @@
+"""A draft LM stored without what it shares with its target.
+
+A draft LM trained with `head=draft_lm` keeps the target's embeddings and LM head, frozen: for
+SmolLM2 they are 28M of its 32M parameters (113 MB in fp32), the same bytes the target already
+holds. The layers-only layout keeps the rest:
+
+  draft_lm.json        {"kind": "draft_lm", "target": <name>}: what to take from which target
+  config.json          the draft model's Hugging Face config (its decoder layers)
+  layers.safetensors   every weight but the input embeddings and the output LM head
+
+`load_layers_only` rebuilds the model and takes the embeddings and LM head from the target
+(checked to have the shape the draft was trained on). A full Hugging Face directory (what the
+trainer exports, and any other draft model) loads as any causal LM does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from eagle_lab.errors import EagleLabError
+from eagle_lab.target import Target
+
+MARKER, LAYERS = "draft_lm.json", "layers.safetensors"
+SHARED = ("embed_tokens", "lm_head")  # parameter-name fragments of what comes from the target
+
+
+def is_layers_only(directory: str | Path) -> bool:
+    return (Path(directory).expanduser() / MARKER).is_file()
+
+
+def _shared(name: str) -> bool:
+    return any(part in name for part in SHARED)
+
+
+def save_layers_only(model_dir: str | Path, target_name: str, out: str | Path, dtype: torch.dtype = torch.bfloat16
+                     ) -> Path:
+    """A full draft-LM directory (the trainer's export) -> the layers-only layout in `out`.
+    dtype: how the kept weights are stored (they are read back in the target's dtype)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    kept = {name: tensor.detach().to(dtype).contiguous() for name, tensor in model.state_dict().items()
+            if not _shared(name)}
+    save_file(kept, str(out / LAYERS))
+    model.config.save_pretrained(out)
+    (out / MARKER).write_text(json.dumps({"kind": "draft_lm", "target": target_name}, indent=2))
+    return out
+
+
+def load_layers_only(directory: str | Path, target: Target, name: str = "draft_lm") -> Target:
+    """The draft LM in `directory`, completed with `target`'s embeddings and LM head, on its device."""
+    directory = Path(directory).expanduser()
+    try:
+        meta = json.loads((directory / MARKER).read_text())
+        config = AutoConfig.from_pretrained(str(directory))
+        state = load_file(str(directory / LAYERS))
+    except (OSError, ValueError) as err:
+        raise EagleLabError(f"'{directory}' is not a layers-only draft LM ({MARKER}, config.json, {LAYERS}): "
+                            f"{err}") from err
+    if (config.hidden_size, config.vocab_size) != (target.hidden_size, target.config.vocab_size):
+        raise EagleLabError(f"the draft LM in '{directory}' was trained for target '{meta.get('target')}' (hidden "
+                            f"{config.hidden_size}, vocabulary {config.vocab_size}); target '{target.name}' has "
+                            f"{target.hidden_size} and {target.config.vocab_size}")
+    model = AutoModelForCausalLM.from_config(config, dtype=target.dtype)
+    missing, unexpected = model.load_state_dict({k: v.to(target.dtype) for k, v in state.items()}, strict=False)
+    if unexpected or any(not _shared(key) for key in missing):
+        raise EagleLabError(f"the draft LM in '{directory}' does not match its config: missing "
+                            f"{[k for k in missing if not _shared(k)]}, unexpected {unexpected}")
+    model.get_input_embeddings().weight = target.embed_tokens.weight  # shared with the target, not copied
+    model.get_output_embeddings().weight = target.lm_head.weight
+    return Target(model.to(target.device), target.tokenizer, name, target.max_context)
