@@ -14,7 +14,7 @@ from eagle_lab.decoding.backend import Backend
 from eagle_lab.draft import Drafter, EagleDrafter, TreeShape, untuned_shape
 from eagle_lab.draft_lm_store import is_layers_only, load_layers_only
 from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer
-from eagle_lab.medusa import load_medusa
+from eagle_lab.medusa_layout import load_any_medusa
 from eagle_lab.medusa_draft import MedusaDrafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, speculative_decode, vanilla_decode
@@ -157,5 +157,5 @@ def build_medusa_drafter(cfg: MedusaConfig, tree: TreeConfig, target: Target) ->
             raise EagleLabError(f"method=medusa needs medusa.path=DIR for target '{target.name}' (no Medusa heads are "
                                 "packaged for it): heads trained with python train.py head=medusa")
         path = str(packaged)
-    heads = load_medusa(path, target)
+    heads = load_any_medusa(path, target)  # eagle_lab's layout or the Medusa project's
     return MedusaDrafter(heads, target, untuned_shape("medusa", tree.auto, tree.depth, tree.topk, tree.total_tokens))

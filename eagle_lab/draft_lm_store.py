@@ -11,11 +11,15 @@ holds. The layers-only layout keeps the rest:
 `load_layers_only` rebuilds the model and takes the embeddings and LM head from the target
 (checked to have the shape the draft was trained on). A full Hugging Face directory (what the
 trainer exports, and any other draft model) loads as any causal LM does.
+
+  python -m eagle_lab.draft_lm_store head_path=runs/NAME/head out=DIR [target=smollm2_135m]
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -74,3 +78,23 @@ def load_layers_only(directory: str | Path, target: Target, name: str = "draft_l
     model.get_input_embeddings().weight = target.embed_tokens.weight  # shared with the target, not copied
     model.get_output_embeddings().weight = target.lm_head.weight
     return Target(model.to(target.device), target.tokenizer, name, target.max_context)
+
+
+def main(argv: list[str]) -> int:
+    args = dict(arg.split("=", 1) for arg in argv if "=" in arg)
+    if not {"head_path", "out"} <= set(args):
+        print("usage: python -m eagle_lab.draft_lm_store head_path=DIR out=DIR [target=smollm2_135m]", file=sys.stderr)
+        return 2
+    source = Path(args["head_path"]).expanduser()
+    if not (source / "config.json").is_file():
+        print(f"error: '{source}' is not a draft LM directory (no config.json)", file=sys.stderr)
+        return 2
+    out = save_layers_only(source, args.get("target", "smollm2_135m"), args["out"])
+    if (source / "card.json").is_file():
+        shutil.copy(source / "card.json", out / "card.json")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -70,12 +70,9 @@ def save_medusa(heads: MedusaHeads, directory: str | Path) -> Path:
 
 
 def load_medusa(directory: str | Path, target) -> MedusaHeads:
-    """eagle_lab's layout (config.json kind medusa + model.safetensors) or the Medusa project's."""
-    from eagle_lab.medusa_layout import import_medusa_layout, is_medusa_layout
-
+    """eagle_lab's layout (config.json kind medusa + model.safetensors); the Medusa project's is read by
+    eagle_lab.medusa_layout.load_any_medusa."""
     directory = Path(directory).expanduser()
-    if is_medusa_layout(directory):
-        return import_medusa_layout(directory, target)
     try:
         arch = MedusaArch(**json.loads((directory / CONFIG_NAME).read_text()))
         state = load_file(str(directory / WEIGHTS_NAME))

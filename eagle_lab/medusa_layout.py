@@ -35,6 +35,11 @@ def is_medusa_layout(directory: str | Path) -> bool:
     return (directory / WEIGHTS).is_file() or (directory / WEIGHTS_PT).is_file()
 
 
+def load_any_medusa(directory: str | Path, target) -> MedusaHeads:
+    """Heads in either layout: the Medusa project's, or eagle_lab's (eagle_lab.medusa.load_medusa)."""
+    return import_medusa_layout(directory, target) if is_medusa_layout(directory) else load_medusa(directory, target)
+
+
 def export_medusa_layout(heads: MedusaHeads, target, out: str | Path) -> Path:
     """eagle_lab heads -> the Medusa layout in `out` (the target's LM head as every projection)."""
     out = Path(out)

@@ -22,7 +22,7 @@ LAYERS = [
     ("decoding core", ["eagle_lab.decoding", "eagle_lab.verify", "eagle_lab.ngram", "eagle_lab.cache"]),
     ("models", ["eagle_lab.target", "eagle_lab.head", "eagle_lab.eagle3", "eagle_lab.head_kinds", "eagle_lab.interop",
                 "eagle_lab.tiny", "eagle_lab.tree", "eagle_lab.sampling", "eagle_lab.card", "eagle_lab.prompts",
-                "eagle_lab.medusa"]),
+                "eagle_lab.medusa", "eagle_lab.medusa_layout", "eagle_lab.draft_lm_store"]),
     ("base", ["eagle_lab.errors", "eagle_lab.device", "eagle_lab.embedded", "eagle_lab.packages",
               "eagle_lab.model_shape", "eagle_lab.conf", "eagle_lab"]),
 ]

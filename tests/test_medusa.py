@@ -12,7 +12,7 @@ from eagle_lab.builders import build_medusa_drafter
 from eagle_lab.config import MedusaConfig, TreeConfig
 from eagle_lab.draft import TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.medusa_layout import export_medusa_layout, is_medusa_layout
+from eagle_lab.medusa_layout import export_medusa_layout, is_medusa_layout, load_any_medusa
 from eagle_lab.medusa import MedusaArch, MedusaHeads, load_medusa, save_medusa
 from eagle_lab.medusa_draft import MedusaDrafter
 from eagle_lab.sampling import SamplingParams
@@ -91,7 +91,7 @@ def test_medusa_layout_round_trips_and_own_projections_are_kept(tiny_llama, tmp_
     heads = random_heads(tiny_llama)
     exported = export_medusa_layout(heads, tiny_llama, tmp_path / "medusa")
     assert is_medusa_layout(exported) and json.loads((exported / "config.json").read_text())["medusa_num_heads"] == 3
-    back = load_medusa(exported, tiny_llama)  # load_medusa reads either layout
+    back = load_any_medusa(exported, tiny_llama)
     assert not back.arch.own_projections
     feature = torch.randn(1, tiny_llama.hidden_size)
     for a, b in zip(heads(feature), back(feature)):
@@ -99,7 +99,7 @@ def test_medusa_layout_round_trips_and_own_projections_are_kept(tiny_llama, tmp_
     state = load_file(str(exported / "medusa_lm_head.safetensors"))
     state["1.1.weight"] = state["1.1.weight"] + 0.5 * torch.randn(state["1.1.weight"].shape)  # a trained projection
     save_file(state, str(exported / "medusa_lm_head.safetensors"))
-    own = load_medusa(exported, tiny_llama)
+    own = load_any_medusa(exported, tiny_llama)
     assert own.arch.own_projections and torch.equal(own.head_rows(1, tiny_llama.lm_head.weight), state["1.1.weight"])
     drafter = MedusaDrafter(own, tiny_llama, TreeShape(3, 2, 5))
     plain, spec = run_both(tiny_llama, drafter, prompts(1)[0], new_tokens=24)
@@ -107,7 +107,7 @@ def test_medusa_layout_round_trips_and_own_projections_are_kept(tiny_llama, tmp_
     state.pop("2.0.linear.bias")
     save_file(state, str(exported / "medusa_lm_head.safetensors"))
     with pytest.raises(EagleLabError, match="lacks Medusa weights"):
-        load_medusa(exported, tiny_llama)
+        load_any_medusa(exported, tiny_llama)
 
 
 def test_head_medusa_trains_exports_and_serves_losslessly(tmp_path):

@@ -10,12 +10,15 @@ leave between rounds, Scheduler._admit):
      sharing a head draft together, one head forward per tree level (eagle_lab.serving.batch_draft,
      its padded head cache kept while the same sequences share it); at batch 1, or with
      batched_drafting=False, each job with its own drafter, exactly as generate.py;
-  4. one forward scores all trees (eagle_lab.serving.batch; the padded cache is kept while
-     the same sequences share the forward), or at batch 1 the sequence's own forward, exactly
-     as generate.py runs it;
+  4. one forward scores all trees: compiled decoding (`rows`), one fixed-shape step over the
+     sequences' rows of a shared static cache (eagle_lab.decoding.static_rows), at batch 1 too;
+     eager, a padded forward over gathered dynamic caches (eagle_lab.serving.batch; the padded
+     cache is kept while the same sequences share the forward), or at batch 1 the sequence's
+     own forward, exactly as generate.py runs it;
   5. each job verifies its tree with its own rule and generator, the jobs' walks in lockstep so
      that one LM-head call per step serves them all (eagle_lab.verify.verify_rows; batch 1
-     walks alone, as generate.py), compacts its cache, and sends its tokens; finished jobs leave.
+     walks alone, as generate.py; the static step has already computed every node's logits, so
+     the walks only read them), compacts its cache, and sends its tokens; finished jobs leave.
 A failure in one job's own steps fails that job alone; a failing batched forward (or batched
 draft) fails the jobs in it (500) and the others go on.
 """
