@@ -12,7 +12,7 @@ from eagle_lab.card import read_card
 from eagle_lab.config import HeadConfig, MedusaConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
 from eagle_lab.draft import Drafter, EagleDrafter, TreeShape, untuned_shape
-from eagle_lab.draft_lm_store import is_layers_only, load_layers_only
+from eagle_lab.draft_lm_store import is_layers_only, load_draft_vocab, load_layers_only
 from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer
 from eagle_lab.medusa_layout import load_any_medusa
 from eagle_lab.medusa_draft import MedusaDrafter
@@ -145,7 +145,7 @@ def build_draft_model_drafter(cfg: TargetConfig, tree: TreeConfig, target: Targe
         draft = load_target(replace(cfg, path=path, device=str(target.device)))
         check_same_tokenizer(target, draft)
     return DraftModelDrafter(draft, untuned_shape("draft_model", tree.auto, tree.depth, tree.topk, tree.total_tokens),
-                             target.vocab_size)
+                             target.vocab_size, load_draft_vocab(path) if cfg.source == "pretrained" else None)
 
 
 def build_medusa_drafter(cfg: MedusaConfig, tree: TreeConfig, target: Target) -> MedusaDrafter:

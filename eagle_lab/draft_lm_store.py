@@ -7,6 +7,8 @@ holds. The layers-only layout keeps the rest:
   draft_lm.json        {"kind": "draft_lm", "target": <name>}: what to take from which target
   config.json          the draft model's Hugging Face config (its decoder layers)
   layers.safetensors   every weight but the input embeddings and the output LM head
+  draft_vocab.safetensors  the draft vocabulary it was trained on ([Vd] target ids; it drafts from
+                       those LM-head rows only, as EAGLE heads do), when that is reduced
 
 `load_layers_only` rebuilds the model and takes the embeddings and LM head from the target
 (checked to have the shape the draft was trained on). A full Hugging Face directory (what the
@@ -29,12 +31,22 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from eagle_lab.errors import EagleLabError
 from eagle_lab.target import Target
 
-MARKER, LAYERS = "draft_lm.json", "layers.safetensors"
+MARKER, LAYERS, VOCAB = "draft_lm.json", "layers.safetensors", "draft_vocab.safetensors"
 SHARED = ("embed_tokens", "lm_head")  # parameter-name fragments of what comes from the target
 
 
 def is_layers_only(directory: str | Path) -> bool:
     return (Path(directory).expanduser() / MARKER).is_file()
+
+
+def save_draft_vocab(ids: torch.Tensor, directory: str | Path) -> None:
+    save_file({"draft_to_target": ids.detach().long().cpu().contiguous()}, str(Path(directory) / VOCAB))
+
+
+def load_draft_vocab(directory: str | Path) -> torch.Tensor | None:
+    """[Vd] target ids of a draft LM's draft vocabulary, or None (it drafts from the whole vocabulary)."""
+    path = Path(directory).expanduser() / VOCAB
+    return load_file(str(path))["draft_to_target"] if path.is_file() else None
 
 
 def _shared(name: str) -> bool:
@@ -52,6 +64,9 @@ def save_layers_only(model_dir: str | Path, target_name: str, out: str | Path, d
             if not _shared(name)}
     save_file(kept, str(out / LAYERS))
     model.config.save_pretrained(out)
+    vocab = load_draft_vocab(model_dir)
+    if vocab is not None:
+        save_draft_vocab(vocab, out)
     (out / MARKER).write_text(json.dumps({"kind": "draft_lm", "target": target_name}, indent=2))
     return out
 

@@ -36,9 +36,14 @@ class DraftModelDrafter:
     feature_layers: tuple[int, ...] = ()  # reads tokens only
     ngram = None  # no hybrid branches
 
-    def __init__(self, model: Target, shape: TreeShape, vocab_size: int):
+    def __init__(self, model: Target, shape: TreeShape, vocab_size: int, draft_vocab: torch.Tensor | None = None):
+        """draft_vocab: [Vd] target token ids the model drafts from (the draft vocabulary it was trained on,
+        as EAGLE heads draft); None: the whole vocabulary."""
         self.model, self.shape = model, shape
         self.vocab_size = vocab_size  # the target's: padded embedding rows beyond it are never drafted
+        self.draft_vocab = None if draft_vocab is None else draft_vocab.to(model.device).long()
+        # [Vd, H] the LM-head rows a draft reads (a small draft model's LM head is most of its cost)
+        self.rows = None if draft_vocab is None else model.lm_head.weight.index_select(0, self.draft_vocab)
         self.cache = model.new_cache()
         self.committed = 0  # tokens of the committed sequence in the draft model's cache
         self.last_candidates: Candidates | None = None
@@ -48,16 +53,19 @@ class DraftModelDrafter:
         self.committed = 0
 
     def feed(self, sequence: torch.Tensor, new_features: torch.Tensor | None = None) -> torch.Tensor:
-        """Bring the cache up to the committed sequence -> [V] log-probs after its last token."""
+        """Bring the cache up to the committed sequence -> [1, H] its feature after the last token."""
         truncate(self.cache, self.committed)  # forget last round's frontier entries
         new = sequence[self.committed:]  # [P] committed since the last round, the root last
         out = self.model.forward(new[None], self.cache)
         self.committed = sequence.numel()
-        return self._log_probs(out.features[0, -1:])[0]
+        return out.features[0, -1:]
 
-    def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        """[R, H] -> [R, V] log-probabilities over the target's vocabulary."""
-        return self.model.logits(features)[:, : self.vocab_size].log_softmax(-1)
+    def _top(self, features: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[R, H] -> the k best ([R, k] log-probabilities, [R, k] target token ids) of each row."""
+        if self.rows is None:
+            return self.model.logits(features)[:, : self.vocab_size].log_softmax(-1).topk(k)
+        scores, ids = torch.nn.functional.linear(features, self.rows).float().log_softmax(-1).topk(k)  # over [Vd]
+        return scores, self.draft_vocab[ids]
 
     @torch.no_grad()
     def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
@@ -66,7 +74,7 @@ class DraftModelDrafter:
         if depth < 1 or self.shape.topk < 1 or self.shape.total_tokens < 1:
             return root_only_tree(root, sequence.device)
         k = self.shape.topk
-        scores, tokens = self.feed(sequence).topk(k)  # [k] the root's children
+        scores, tokens = (row[0] for row in self._top(self.feed(sequence), k))  # [k] the root's children
         device, dtype = sequence.device, self.model.dtype
 
         def expand(level: int, frontier_tokens: torch.Tensor, rows: torch.Tensor | None, visible: torch.Tensor):
@@ -78,7 +86,7 @@ class DraftModelDrafter:
             positions = torch.full((1, k), self.committed + level - 1, device=device)
             out = self.model.forward(frontier_tokens[None], self.cache, positions,
                                      attention_mask=mask.view(1, 1, k, past + k))
-            return self._log_probs(out.features[0]).topk(k)  # [k, k] log-probs, token ids
+            return self._top(out.features[0], k)  # [k, k] log-probs, target token ids
 
         tree, self.last_candidates = grow_dynamic_tree(root, scores, tokens, depth, self.shape.total_tokens, expand)
         return tree

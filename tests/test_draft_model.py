@@ -11,7 +11,7 @@ from eagle_lab.builders import build_draft_model_drafter
 from eagle_lab.config import TreeConfig
 from eagle_lab.draft import TreeShape
 from eagle_lab.draft import untuned_shape
-from eagle_lab.draft_lm_store import is_layers_only, load_layers_only, save_layers_only
+from eagle_lab.draft_lm_store import is_layers_only, load_layers_only, save_draft_vocab, save_layers_only
 from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer
 from eagle_lab.errors import EagleLabError
 from eagle_lab.sampling import SamplingParams
@@ -89,6 +89,7 @@ def test_layers_only_layout_takes_embeddings_from_the_target(tiny_llama, tmp_pat
     draft.model.get_input_embeddings().weight.data.copy_(tiny_llama.embed_tokens.weight)
     draft.model.get_output_embeddings().weight.data.copy_(tiny_llama.lm_head.weight)
     draft.model.save_pretrained(tmp_path / "full")
+    save_draft_vocab(torch.arange(0, tiny_llama.vocab_size, 2), tmp_path / "full")  # as the trainer's export
     compact = save_layers_only(tmp_path / "full", tiny_llama.name, tmp_path / "compact", dtype=torch.float32)
     assert is_layers_only(compact) and not is_layers_only(tmp_path / "full")
     loaded = load_layers_only(compact, tiny_llama)
@@ -98,6 +99,7 @@ def test_layers_only_layout_takes_embeddings_from_the_target(tiny_llama, tmp_pat
     torch.testing.assert_close(loaded.model(ids).logits, draft.model(ids).logits)
     drafter = build_draft_model_drafter(TargetConfig(name="draft_model", source="pretrained", path=str(compact)),
                                         TreeConfig(auto=False, depth=3, topk=2, total_tokens=5), tiny_llama)
+    assert torch.equal(drafter.draft_vocab, torch.arange(0, tiny_llama.vocab_size, 2))  # kept by the layout
     plain, spec = run_both(tiny_llama, drafter, prompts(1)[0], new_tokens=24)
     assert spec.token_ids == plain.token_ids
     with pytest.raises(EagleLabError, match="was trained for target"):
@@ -105,6 +107,15 @@ def test_layers_only_layout_takes_embeddings_from_the_target(tiny_llama, tmp_pat
     with pytest.raises(EagleLabError, match="not a layers-only draft LM"):
         (compact / "layers.safetensors").unlink()
         load_layers_only(compact, tiny_llama)
+
+
+def test_a_draft_vocabulary_limits_what_is_drafted(tiny_llama):
+    vocab = torch.arange(0, tiny_llama.vocab_size, 3)
+    drafter = DraftModelDrafter(small_lm(tiny_llama), TreeShape(3, 2, 5), tiny_llama.vocab_size, vocab)
+    tree = drafter.draft(prompts(1)[0], torch.zeros(0), max_depth=4)
+    assert tree.size == 6 and all(int(token) % 3 == 0 for token in tree.tokens[1:])
+    plain, spec = run_both(tiny_llama, drafter, prompts(1)[0], new_tokens=24)
+    assert spec.token_ids == plain.token_ids
 
 
 def test_tree_shape_follows_the_tree_config():

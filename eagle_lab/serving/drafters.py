@@ -39,7 +39,7 @@ def drafter_factory(prototype: Drafter | None) -> Callable[[], Drafter | None]:
     if isinstance(prototype, MedusaDrafter):  # no state between rounds but its last candidates
         return lambda: copy.copy(prototype)
     if isinstance(prototype, DraftModelDrafter):  # the draft LM's weights shared, a cache per sequence
-        return lambda: DraftModelDrafter(prototype.model, prototype.shape, prototype.vocab_size)
+        return lambda: DraftModelDrafter(prototype.model, prototype.shape, prototype.vocab_size, prototype.draft_vocab)
     if isinstance(prototype, NgramDrafter):
         return lambda: NgramDrafter(prototype.proposer)  # stateless today; a fresh one stays safe if that changes
     raise TypeError(f"no per-sequence factory for drafter {type(prototype).__name__}")

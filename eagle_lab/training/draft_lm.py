@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from eagle_lab.draft_lm_store import save_draft_vocab
 from eagle_lab.errors import EagleLabError
 from eagle_lab.target import Target
 
@@ -71,9 +72,12 @@ def new_draft_lm(target: Target, layers: int, seed: int, draft_vocab_ids: torch.
 
 
 def save_draft_lm(draft: DraftLM, target: Target, directory: Path) -> Path:
-    """A Hugging Face model directory with the target's tokenizer (what method=draft_model loads)."""
+    """A Hugging Face model directory with the target's tokenizer (what method=draft_model loads), plus
+    the draft vocabulary it was trained on (draft_vocab.safetensors) when that is reduced."""
     directory.mkdir(parents=True, exist_ok=True)
     draft.model.save_pretrained(directory)
     target.tokenizer.save_pretrained(directory)
+    if draft.reduced_vocab:
+        save_draft_vocab(draft.draft_to_target, directory)
     return directory
 
