@@ -18,7 +18,7 @@ from eagle_lab.sampling import SamplingParams
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.target import Target, TargetConfig
 from eagle_lab.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
-from tests.conftest import small_vocab_target
+from tests.conftest import FAMILIES, small_vocab_target
 from tests.test_greedy_lossless import prompts, run_both
 from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs, sampled_sequences
 
@@ -55,9 +55,10 @@ def test_the_target_as_its_own_draft_model_is_accepted_whole(tiny_target):
 
 
 @pytest.mark.slow
-def test_sampling_keeps_the_targets_distribution():
-    target = small_vocab_target()
-    draft = small_vocab_target(seed=9)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_keeps_the_targets_distribution(family):
+    target = small_vocab_target(family=family)
+    draft = small_vocab_target(seed=9, family=family)
     params, prompt, length, samples = SamplingParams(temperature=0.9), torch.tensor([1, 4, 2, 0]), 3, 3000
     drafter = DraftModelDrafter(draft, TreeShape(2, 2, 4), target.vocab_size)
     counts, accepted_any = sampled_sequences(target, drafter, prompt, params, length, samples, seed=13)

@@ -17,7 +17,7 @@ from eagle_lab.medusa import MedusaArch, MedusaHeads, load_medusa, save_medusa
 from eagle_lab.medusa_draft import MedusaDrafter
 from eagle_lab.sampling import SamplingParams
 from eagle_lab.training.losses import Batch, _medusa_predictions
-from tests.conftest import small_vocab_target
+from tests.conftest import FAMILIES, small_vocab_target
 from tests.test_greedy_lossless import prompts, run_both
 from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs, sampled_sequences
 
@@ -62,8 +62,9 @@ def test_training_targets_line_up_with_each_heads_offset():
 
 
 @pytest.mark.slow
-def test_sampling_keeps_the_targets_distribution():
-    target = small_vocab_target()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_keeps_the_targets_distribution(family):
+    target = small_vocab_target(family=family)
     params, prompt, length, samples = SamplingParams(temperature=0.9), torch.tensor([1, 4, 2, 0]), 3, 3000
     drafter = MedusaDrafter(random_heads(target, num_heads=2, seed=3), target, TreeShape(2, 2, 4))
     counts, accepted_any = sampled_sequences(target, drafter, prompt, params, length, samples, seed=17)
