@@ -17,6 +17,7 @@ from eagle_lab.training.regenerate import (
     chunk_order,
     regenerate_conversations,
     regenerated_pool,
+    reply_rows,
 )
 
 CONVERSATIONS = [
@@ -30,13 +31,14 @@ CONVERSATIONS = [
 
 def writer_for(target, **overrides) -> ReplyWriter:
     cfg = RegenerateConfig(enabled=True, **{"max_new_tokens": 12, **overrides})
-    return ReplyWriter(target, cfg, max_length=512)
+    return ReplyWriter(target, cfg, max_length=512, rows=reply_rows(target, cfg.rows, 512))
 
 
-def test_greedy_reply_is_the_targets_own_greedy_continuation(tiny_llama):
-    writer = writer_for(tiny_llama, batch_size=1)
+@pytest.mark.parametrize("rows", [0, 2])  # Hugging Face generate; static rows
+def test_greedy_reply_is_the_targets_own_greedy_continuation(tiny_llama, rows):
+    writer = writer_for(tiny_llama, batch_size=1, rows=rows)
     opening = CONVERSATIONS[2][:1]
-    (rewritten,) = writer.rewrite([CONVERSATIONS[2]], seed=0)
+    (rewritten,) = writer.rewrite([CONVERSATIONS[2]], seeds=[0])
     assert rewritten[0] == opening[0] and rewritten[1]["role"] == "assistant" and len(rewritten) == 2
 
     prompt = torch.tensor(writer.prompt_ids(opening))
@@ -53,7 +55,7 @@ class ScriptedWriter(ReplyWriter):
         super().__init__(target, RegenerateConfig(enabled=True, **overrides), 512)
         self.script, self.calls = list(script), 0
 
-    def replies(self, prompts, seed):
+    def replies(self, prompts, seeds):
         self.calls += 1
         return [self.script.pop(0) for _ in prompts]
 
@@ -61,19 +63,19 @@ class ScriptedWriter(ReplyWriter):
 def test_turns_follow_the_conversation_and_stop_at_a_cut_reply(tiny_llama):
     # batch of the first two conversations: turn 1 answers both, turn 2 only the first
     writer = ScriptedWriter(tiny_llama, [("A", True), ("B", True), ("C", False)], max_turns=0)
-    first, second = writer.rewrite(CONVERSATIONS[:2], seed=0)
+    first, second = writer.rewrite(CONVERSATIONS[:2], seeds=[0, 0])
     assert first == [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "A"},
                      {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "C"}]
     assert second == [*CONVERSATIONS[1][:2], {"role": "assistant", "content": "B"}]
 
     cut = ScriptedWriter(tiny_llama, [("half a rep", False)], max_turns=0)
-    assert cut.rewrite(CONVERSATIONS[:1], seed=0) == [[CONVERSATIONS[0][0], {"role": "assistant",
+    assert cut.rewrite(CONVERSATIONS[:1], seeds=[0]) == [[CONVERSATIONS[0][0], {"role": "assistant",
                                                                              "content": "half a rep"}]]
     one_turn = ScriptedWriter(tiny_llama, [("A", True)], max_turns=1)
-    assert one_turn.rewrite(CONVERSATIONS[:1], seed=0) == [[CONVERSATIONS[0][0], {"role": "assistant",
+    assert one_turn.rewrite(CONVERSATIONS[:1], seeds=[0]) == [[CONVERSATIONS[0][0], {"role": "assistant",
                                                                                  "content": "A"}]]
     empty = ScriptedWriter(tiny_llama, [("", True)])
-    assert empty.rewrite(CONVERSATIONS[:1], seed=0) == [None]  # nothing to train on
+    assert empty.rewrite(CONVERSATIONS[:1], seeds=[0]) == [None]  # nothing to train on
 
 
 def test_chunks_are_cached_and_a_killed_run_redoes_only_the_missing_one(tiny_llama, tmp_path):
@@ -111,7 +113,7 @@ def test_chunks_group_similar_prompt_lengths():
 
 
 @pytest.mark.parametrize("bad", [{"temperature": -0.5}, {"top_p": 0.0}, {"max_new_tokens": 0},
-                                 {"batch_size": 0}, {"max_turns": -1}])
+                                 {"batch_size": 0}, {"max_turns": -1}, {"rows": -1}, {"group_chunks": 0}])
 def test_bad_settings_are_refused(bad):
     with pytest.raises(EagleLabError, match="data.regenerate"):
         RegenerateConfig(enabled=True, **bad).validate()
@@ -136,15 +138,16 @@ def test_training_on_regenerated_replies_runs_end_to_end(tmp_path, monkeypatch):
     assert recipe.step == 2
 
 
-def test_sampled_replies_repeat_per_seed_and_leave_the_global_rng_alone(tiny_llama):
-    writer = writer_for(tiny_llama, temperature=1.0)
+@pytest.mark.parametrize("rows", [0, 2])
+def test_sampled_replies_repeat_per_seed_and_leave_the_global_rng_alone(tiny_llama, rows):
+    writer = writer_for(tiny_llama, temperature=1.0, rows=rows)
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
-    first = writer.rewrite(CONVERSATIONS, seed=1)
+    first = writer.rewrite(CONVERSATIONS, seeds=[1, 2, 3])
     assert torch.equal(torch.rand(3), expected)  # training's random stream is unchanged
-    assert writer.rewrite(CONVERSATIONS, seed=1) == first
-    assert writer.rewrite(CONVERSATIONS, seed=2) != first
+    assert writer.rewrite(CONVERSATIONS, seeds=[1, 2, 3]) == first
+    assert writer.rewrite(CONVERSATIONS, seeds=[4, 5, 6]) != first
 
 
 def test_chunks_stay_inside_blocks_so_a_bigger_size_reuses_them():

@@ -96,6 +96,13 @@ class StaticKVCache:
                     tensor[row, :, past:past + count] = tensor[row].index_select(1, source)
         self.set_length(past + count)
 
+    def move_entries(self, rows: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """rows, sources, targets: [n] int64: entry sources[i] of row rows[i] is copied to targets[i] (one copy
+        per layer tensor for every row, where keep_accepted takes one per row)."""
+        for layer in self.layers:
+            for tensor in (layer.keys, layer.values):  # [R, kvH, capacity, D]
+                tensor[rows, :, targets] = tensor[rows, :, sources]  # [n, kvH, D]
+
     def move_row(self, source: int, target: int, length: int) -> None:
         """Copy row `source`'s first `length` positions into row `target` (packing the rows in use)."""
         for layer in self.layers:

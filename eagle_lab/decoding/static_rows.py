@@ -32,6 +32,8 @@ from eagle_lab.decoding.static_cache import StaticKVCache
 from eagle_lab.errors import EagleLabError
 from eagle_lab.tree import DraftTree
 
+EAGER_BLOCK = 16  # positions an eager forward's attended length is rounded to
+
 
 @dataclass
 class Row:
@@ -60,8 +62,10 @@ def row_buckets(rows: int) -> list[int]:
 
 
 class StaticRows:
-    def __init__(self, backend: StaticBackend, rows: int, context: int, token_buckets: list[int] | None = None):
-        """context: the most tokens (prompt + generated) one sequence may hold."""
+    def __init__(self, backend: StaticBackend, rows: int, context: int, token_buckets: list[int] | None = None,
+                 row_counts: list[int] | None = None):
+        """context: the most tokens (prompt + generated) one sequence may hold.
+        row_counts: the row counts a forward may run at (default: powers of two, then `rows`)."""
         if rows < 1:
             raise EagleLabError(f"a static batch needs at least one row, got {rows}")
         self.backend, self.target = backend, backend.target
@@ -69,7 +73,9 @@ class StaticRows:
         block = backend.cache_block
         self.capacity = -(-(self.context + backend.slack) // block) * block
         self.cache = StaticKVCache(self.target.config, self.capacity, self.target.device, self.target.dtype, rows=rows)
-        self.buckets = row_buckets(rows)
+        if row_counts is not None and not all(0 < count <= rows for count in row_counts):
+            raise EagleLabError(f"row counts must lie in [1, {rows}], got {list(row_counts)}")
+        self.buckets = row_buckets(rows) if row_counts is None else sorted(set(row_counts) | {rows})
         self.token_buckets = sorted(token_buckets) if token_buckets else None
         self.rows: list[Row | None] = [None] * rows
 
@@ -99,8 +105,9 @@ class StaticRows:
     # ---- forwards ----
 
     def _length(self, needed: int) -> int:
-        """Positions a forward attends over: `needed` rounded up to a cache block (one graph per length)."""
-        block = self.backend.cache_block
+        """Positions a forward attends over: `needed` rounded up to a cache block (one graph per length)
+        when compiled; eager forwards have no graphs to share and attend over little more than needed."""
+        block = self.backend.cache_block if self.backend.compiled else EAGER_BLOCK
         return min(self.capacity, -(-needed // block) * block)
 
     @torch.no_grad()
@@ -159,6 +166,16 @@ class StaticRows:
         """After verification: the row keeps its past and then its accepted nodes (L,)."""
         self.cache.keep_accepted(row.past, accepted, row=row.index, scored_at=scored.scored_at)
         row.past += accepted.numel()
+
+    def keep_roots(self, rows: list[Row], scored_at: int) -> None:
+        """After a plain round (every row scored its root alone at `scored_at`): each row keeps that entry,
+        moved to its own past by one copy per layer tensor for all rows."""
+        device = self.target.device
+        indices = torch.tensor([row.index for row in rows], device=device)  # [n]
+        targets = torch.tensor([row.past for row in rows], device=device)  # [n]
+        self.cache.move_entries(indices, torch.full_like(targets, scored_at), targets)
+        for row in rows:
+            row.past += 1
 
     def _token_bucket(self, count: int) -> int:
         if self.token_buckets:
