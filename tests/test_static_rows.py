@@ -135,3 +135,29 @@ def test_compiled_rows_decode_like_eager_rows(tiny_llama):
         runs[compiled], _ = decode_on_rows(tiny_llama, make_drafters(tiny_llama, kinds), prompts, SamplingParams(),
                                            lengths, [0] * 4, static_rows(tiny_llama, compiled=compiled))
     assert runs[True] == runs[False]
+
+
+def test_compile_auto_keeps_the_faster_step_per_shape(tiny_llama, monkeypatch):
+    """compile=auto times each newly compiled shape against eager and keeps the faster: here the
+    "compiled" step is made slow, so eager serves the shape, over exact lengths, with the same tokens."""
+    import time
+
+    backend = StaticBackend(tiny_llama, [4, 8, 16], cache_block=64, compiled=True, per_shape=True)
+    steps = backend._steps
+    eager = steps.module
+
+    def slow(*args):
+        time.sleep(0.02)
+        return eager(*args)
+
+    steps._fn = slow  # stands in for a compiled graph that is slower than eager on this shape
+    kinds = ("eagle", "vanilla")
+    prompts, lengths = encoded(tiny_llama, PROMPTS[:2]), LENGTHS[:2]
+    drafters = make_drafters(tiny_llama, kinds)
+    got, _ = decode_on_rows(tiny_llama, drafters, prompts, SamplingParams(), lengths, [0, 0],
+                            StaticRows(backend, 2, 256))
+    expected, _ = decode_on_rows(tiny_llama, make_drafters(tiny_llama, kinds), prompts, SamplingParams(), lengths,
+                                 [0, 0], static_rows(tiny_llama, rows=2))
+    assert got == expected
+    assert steps._eager_shapes and all(steps.runs_eager(*shape) for shape in steps._eager_shapes)
+    assert not StaticBackend(tiny_llama, [4], compiled=True).runs_eager(2, 4)  # compile=true: always compiled

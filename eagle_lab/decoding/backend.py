@@ -68,7 +68,9 @@ class EagerBackend:
 class StaticBackend:
     """Static caches and the fixed-shape target step (compiled or eager) for one target."""
 
-    def __init__(self, target: Target, buckets: list[int], cache_block: int = 512, compiled: bool = False):
+    def __init__(self, target: Target, buckets: list[int], cache_block: int = 512, compiled: bool = False,
+                 per_shape: bool = False):
+        """per_shape: compile=auto's choice, made again for every step shape (compiled.StepCompiler)."""
         if not buckets or any(b < 1 for b in buckets):
             raise EagleLabError(f"decoding.buckets must be positive token counts, got {list(buckets)}")
         if cache_block < 1:
@@ -81,7 +83,7 @@ class StaticBackend:
         self.name = "compiled" if compiled else "static"
         self._caches: dict[int, StaticKVCache] = {}
         self.min_capacity = 0  # reserve(): every sequence gets at least this much cache, so one graph serves all
-        self._steps = StepCompiler(target, compiled)
+        self._steps = StepCompiler(target, compiled, per_shape)
 
     def open(self, prompt_tokens: int, max_new_tokens: int, layer_ids: tuple[int, ...] = ()) -> Scorer:
         need = prompt_tokens + max_new_tokens + self.slack
@@ -113,6 +115,10 @@ class StaticBackend:
                                 f"put a bucket >= {count} in decoding.buckets")
         self.buckets.append(size)
         return size
+
+    def runs_eager(self, rows: int, tokens: int, layer_ids: tuple[int, ...] = ()) -> bool:
+        """Whether a step of this shape runs eagerly (no graph: it may attend over any length)."""
+        return self._steps.runs_eager(rows, tokens, layer_ids)
 
     def mask(self, allowed: torch.Tensor, past: int, capacity: int) -> torch.Tensor:
         """allowed: [K, K] bool among the new tokens -> additive [1, 1, K, capacity]: the prefix [0, past)
@@ -149,7 +155,7 @@ def build_backend(target: Target, compile: str, cfg: DecodingConfig, planned_tok
     choice = compile_choice(compile)
     if choice == "false":
         return EagerBackend(target)
-    compiled = StaticBackend(target, cfg.buckets, cfg.cache_block, compiled=True)
+    compiled = StaticBackend(target, cfg.buckets, cfg.cache_block, compiled=True, per_shape=choice == "auto")
     if longest_prompt:
         compiled.reserve(longest_prompt, max_new_tokens)
     if choice == "true":

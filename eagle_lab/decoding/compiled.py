@@ -6,6 +6,11 @@ the memory floor up to a few rows, where eager MKL spends 2-3x longer. On CUDA i
 compiled with `mode="reduce-overhead"` (captured CUDA graphs). Each (bucket, cache
 capacity) is one graph; the first call of each compiles it and says so with its time.
 
+With `per_shape` (compile=auto), each newly compiled (rows, tokens) shape is then timed against
+the eager step on the same inputs, and the faster one serves that shape from then on: on some
+CPUs the compiled step is faster at one row and slower than eager MKL at several (a 2-core AMX
+Xeon: 8 rows x 1 token, 420 ms compiled against about 160 ms eager).
+
 Inductor's artifacts (autotuning results, generated kernels) go under
 `<cache>/inductor` (`$TORCHINDUCTOR_CACHE_DIR` wins when set), where a later process
 finds them.
@@ -91,12 +96,14 @@ class _Step(nn.Module):
 
 
 class StepCompiler:
-    """Runs the step eagerly or through torch.compile; logs each graph's first (compiling) call."""
+    """Runs the step eagerly or through torch.compile; logs each graph's first (compiling) call.
+    per_shape: after compiling a shape, keep whichever of compiled and eager timed faster for it."""
 
-    def __init__(self, target: Target, compiled: bool):
-        self.target, self.compiled = target, compiled
+    def __init__(self, target: Target, compiled: bool, per_shape: bool = False):
+        self.target, self.compiled, self.per_shape = target, compiled, per_shape
         self.module = _Step(target).eval()
         self._graphs: set[tuple] = set()
+        self._eager_shapes: set[tuple] = set()  # (rows, tokens, layer_ids) that eager serves faster
         self._fn = self.module
         self._settings: dict = {}
         if compiled:
@@ -114,11 +121,15 @@ class StepCompiler:
     def backbone(self, cache, input_ids, positions, mask, layer_ids):
         return self.module.hidden(cache.hf_cache, input_ids, positions, mask, tuple(layer_ids))
 
+    def runs_eager(self, rows: int, tokens: int, layer_ids: tuple[int, ...] = ()) -> bool:
+        """Whether a step of this shape runs eagerly (then it may attend over any length)."""
+        return not self.compiled or (rows, tokens, tuple(layer_ids)) in self._eager_shapes
+
     @torch.no_grad()
     def run(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
         key = (cache.capacity, input_ids.shape[0], input_ids.shape[1], layer_ids)
-        if not self.compiled:
-            return self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
+        if self.runs_eager(input_ids.shape[0], input_ids.shape[1], layer_ids):
+            return self.module(cache.hf_cache, input_ids, positions, mask, layer_ids)
         with inductor_settings(self._settings):
             if key in self._graphs:
                 return self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
@@ -133,7 +144,31 @@ class StepCompiler:
         out = self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
         self._graphs.add(key)
         log.info("compiled the %s step in %.0f s", shape, time.perf_counter() - start)
-        return out
+        if not self.per_shape:
+            return out
+        args = (cache.hf_cache, input_ids, positions, mask, layer_ids)
+        compiled_ms, eager_ms = _timed_ms(self._fn, cache, args), _timed_ms(self.module, cache, args)
+        if eager_ms < compiled_ms:
+            self._eager_shapes.add((rows, tokens, layer_ids))
+        log.info("compile=auto: the %s step runs %s (%.1f ms compiled, %.1f ms eager)", shape,
+                 "eagerly" if eager_ms < compiled_ms else "compiled", compiled_ms, eager_ms)
+        return (self.module if eager_ms < compiled_ms else self._fn)(*args)  # the cache as the kept path writes it
+
+
+def _timed_ms(fn, cache, args, reps: int = 3) -> float:
+    """Median ms of fn(*args), each call writing the same cache positions (the counter is rewound)."""
+    length = int(cache.layers[0].cumulative_length)
+    sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(reps):
+        cache.set_length(length)
+        sync()
+        start = time.perf_counter()
+        fn(*args)
+        sync()
+        times.append(time.perf_counter() - start)
+    cache.set_length(length)
+    return sorted(times)[reps // 2] * 1000
 
 
 def _choice_key(target: Target) -> str:

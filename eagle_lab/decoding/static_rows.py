@@ -104,10 +104,12 @@ class StaticRows:
 
     # ---- forwards ----
 
-    def _length(self, needed: int) -> int:
+    def _length(self, needed: int, rows: int = 1, tokens: int = 0, layer_ids: tuple[int, ...] = ()) -> int:
         """Positions a forward attends over: `needed` rounded up to a cache block (one graph per length)
-        when compiled; eager forwards have no graphs to share and attend over little more than needed."""
-        block = self.backend.cache_block if self.backend.compiled else EAGER_BLOCK
+        when compiled; eager forwards have no graphs to share and attend over little more than needed.
+        tokens=0: an eager prefill."""
+        eager = not tokens or self.backend.runs_eager(rows, tokens, layer_ids)
+        block = EAGER_BLOCK if eager else self.backend.cache_block
         return min(self.capacity, -(-needed // block) * block)
 
     @torch.no_grad()
@@ -138,7 +140,7 @@ class StaticRows:
         if width + tokens_per_row > self.capacity:
             raise EagleLabError(f"the static batch cache ({self.capacity}) cannot hold {tokens_per_row} more tokens "
                                 f"after {width}")
-        length = self._length(width + tokens_per_row)
+        length = self._length(width + tokens_per_row, batch, tokens_per_row, tuple(layer_ids))
         columns = torch.arange(tokens_per_row, device=device)  # [K]
         input_ids = torch.zeros(batch, tokens_per_row, dtype=torch.long, device=device)  # (B, K)
         positions = (width + columns).repeat(batch, 1)  # (B, K)
