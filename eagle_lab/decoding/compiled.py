@@ -140,24 +140,25 @@ class StepCompiler:
         shape = f"{rows} x {tokens} tokens" if rows > 1 else f"{tokens} tokens"
         log.info("compiling the target step for %s over a %d-token cache (first time: minutes on a small "
                  "CPU; kept in %s for later processes)", shape, capacity, inductor_cache_dir())
-        start = time.perf_counter()
+        start, written_from = time.perf_counter(), int(cache.layers[0].cumulative_length)
         out = self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
         self._graphs.add(key)
         log.info("compiled the %s step in %.0f s", shape, time.perf_counter() - start)
         if not self.per_shape:
             return out
         args = (cache.hf_cache, input_ids, positions, mask, layer_ids)
-        compiled_ms, eager_ms = _timed_ms(self._fn, cache, args), _timed_ms(self.module, cache, args)
+        compiled_ms = _timed_ms(self._fn, cache, args, written_from)
+        eager_ms = _timed_ms(self.module, cache, args, written_from)
         if eager_ms < compiled_ms:
             self._eager_shapes.add((rows, tokens, layer_ids))
         log.info("compile=auto: the %s step runs %s (%.1f ms compiled, %.1f ms eager)", shape,
                  "eagerly" if eager_ms < compiled_ms else "compiled", compiled_ms, eager_ms)
-        return (self.module if eager_ms < compiled_ms else self._fn)(*args)  # the cache as the kept path writes it
+        out = (self.module if eager_ms < compiled_ms else self._fn)(*args)  # the cache as the kept path writes it
+        return out
 
 
-def _timed_ms(fn, cache, args, reps: int = 3) -> float:
-    """Median ms of fn(*args), each call writing the same cache positions (the counter is rewound)."""
-    length = int(cache.layers[0].cumulative_length)
+def _timed_ms(fn, cache, args, length: int, reps: int = 3) -> float:
+    """Median ms of fn(*args), each call writing from cache position `length` (the counter is rewound)."""
     sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(reps):
