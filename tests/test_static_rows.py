@@ -137,20 +137,29 @@ def test_compiled_rows_decode_like_eager_rows(tiny_llama):
     assert runs[True] == runs[False]
 
 
-def test_compile_auto_keeps_the_faster_step_per_shape(tiny_llama, monkeypatch):
+def test_compile_auto_keeps_the_faster_step_per_shape(tiny_llama, monkeypatch, tmp_path):
     """compile=auto times each newly compiled shape against eager and keeps the faster: here the
-    "compiled" step is made slow, so eager serves the shape, over exact lengths, with the same tokens."""
+    "compiled" step is made slow, so eager serves the shape, over exact lengths, with the same tokens;
+    a later process reads the verdict and does not compile that shape at all."""
     import time
 
-    backend = StaticBackend(tiny_llama, [4, 8, 16], cache_block=64, compiled=True, per_shape=True)
+    monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path))
+    calls = []
+
+    def slow_backend():
+        backend = StaticBackend(tiny_llama, [4, 8, 16], cache_block=64, compiled=True, per_shape=True)
+        eager = backend._steps.module
+
+        def slow(*args):
+            calls.append(args[1].shape)
+            time.sleep(0.02)
+            return eager(*args)
+
+        backend._steps._fn = slow  # stands in for a compiled graph that is slower than eager on this shape
+        return backend
+
+    backend = slow_backend()
     steps = backend._steps
-    eager = steps.module
-
-    def slow(*args):
-        time.sleep(0.02)
-        return eager(*args)
-
-    steps._fn = slow  # stands in for a compiled graph that is slower than eager on this shape
     kinds = ("eagle", "vanilla")
     prompts, lengths = encoded(tiny_llama, PROMPTS[:2]), LENGTHS[:2]
     drafters = make_drafters(tiny_llama, kinds)
@@ -161,3 +170,8 @@ def test_compile_auto_keeps_the_faster_step_per_shape(tiny_llama, monkeypatch):
     assert got == expected
     assert steps._eager_shapes and all(steps.runs_eager(*shape) for shape in steps._eager_shapes)
     assert not StaticBackend(tiny_llama, [4], compiled=True).runs_eager(2, 4)  # compile=true: always compiled
+
+    calls.clear()
+    again, _ = decode_on_rows(tiny_llama, make_drafters(tiny_llama, kinds), prompts, SamplingParams(), lengths,
+                              [0, 0], StaticRows(slow_backend(), 2, 256))
+    assert again == expected and not calls  # every shape ran eagerly from the cached verdicts

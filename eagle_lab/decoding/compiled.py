@@ -104,6 +104,7 @@ class StepCompiler:
         self.module = _Step(target).eval()
         self._graphs: set[tuple] = set()
         self._eager_shapes: set[tuple] = set()  # (rows, tokens, layer_ids) that eager serves faster
+        self._decided: set[tuple] = set()  # shapes whose cached verdict was looked up
         self._fn = self.module
         self._settings: dict = {}
         if compiled:
@@ -122,8 +123,23 @@ class StepCompiler:
         return self.module.hidden(cache.hf_cache, input_ids, positions, mask, tuple(layer_ids))
 
     def runs_eager(self, rows: int, tokens: int, layer_ids: tuple[int, ...] = ()) -> bool:
-        """Whether a step of this shape runs eagerly (then it may attend over any length)."""
-        return not self.compiled or (rows, tokens, tuple(layer_ids)) in self._eager_shapes
+        """Whether a step of this shape runs eagerly (then it may attend over any length). With per_shape,
+        a shape an earlier process found faster eagerly (the cached verdict) runs eagerly without compiling."""
+        if not self.compiled:
+            return True
+        shape = (rows, tokens, tuple(layer_ids))
+        if self.per_shape and shape not in self._eager_shapes and shape not in self._decided:
+            self._decided.add(shape)
+            verdict = _read_verdicts().get(self._shape_key(shape))
+            if verdict is not None and verdict["choice"] == "eager":
+                self._eager_shapes.add(shape)
+                log.info("compile=auto: the %s step runs eagerly (cached: %.1f ms compiled, %.1f ms eager)",
+                         _shape_name(rows, tokens), verdict["compiled_ms"], verdict["eager_ms"])
+        return shape in self._eager_shapes
+
+    def _shape_key(self, shape: tuple) -> str:
+        rows, tokens, layer_ids = shape
+        return f"{_choice_key(self.target)}:{rows}x{tokens}:{','.join(map(str, layer_ids))}"
 
     @torch.no_grad()
     def run(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
@@ -137,7 +153,7 @@ class StepCompiler:
 
     def _first_call(self, key, cache, input_ids, positions, mask, layer_ids):
         capacity, rows, tokens = key[:3]
-        shape = f"{rows} x {tokens} tokens" if rows > 1 else f"{tokens} tokens"
+        shape = _shape_name(rows, tokens)
         log.info("compiling the target step for %s over a %d-token cache (first time: minutes on a small "
                  "CPU; kept in %s for later processes)", shape, capacity, inductor_cache_dir())
         start, written_from = time.perf_counter(), int(cache.layers[0].cumulative_length)
@@ -146,15 +162,22 @@ class StepCompiler:
         log.info("compiled the %s step in %.0f s", shape, time.perf_counter() - start)
         if not self.per_shape:
             return out
+        if _read_verdicts().get(self._shape_key((rows, tokens, layer_ids))) is not None:
+            return out  # timed by an earlier process: compiled won
         args = (cache.hf_cache, input_ids, positions, mask, layer_ids)
         compiled_ms = _timed_ms(self._fn, cache, args, written_from)
         eager_ms = _timed_ms(self.module, cache, args, written_from)
+        _save_verdict(self._shape_key((rows, tokens, layer_ids)), compiled_ms, eager_ms)
         if eager_ms < compiled_ms:
             self._eager_shapes.add((rows, tokens, layer_ids))
         log.info("compile=auto: the %s step runs %s (%.1f ms compiled, %.1f ms eager)", shape,
                  "eagerly" if eager_ms < compiled_ms else "compiled", compiled_ms, eager_ms)
         out = (self.module if eager_ms < compiled_ms else self._fn)(*args)  # the cache as the kept path writes it
         return out
+
+
+def _shape_name(rows: int, tokens: int) -> str:
+    return f"{rows} x {tokens} tokens" if rows > 1 else f"{tokens} tokens"
 
 
 def _timed_ms(fn, cache, args, length: int, reps: int = 3) -> float:
@@ -170,6 +193,26 @@ def _timed_ms(fn, cache, args, length: int, reps: int = 3) -> float:
         times.append(time.perf_counter() - start)
     cache.set_length(length)
     return sorted(times)[reps // 2] * 1000
+
+
+def _read_verdicts() -> dict:
+    """compile=auto's cached verdicts: {key: {"compiled_ms", "eager_ms", "choice"}} ({} when unreadable)."""
+    path = cache_root() / CHOICE_FILE
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _save_verdict(key: str, compiled_ms: float, eager_ms: float) -> dict:
+    verdict = {"compiled_ms": round(compiled_ms, 2), "eager_ms": round(eager_ms, 2),
+               "choice": "compiled" if compiled_ms < eager_ms else "eager"}
+    verdicts = _read_verdicts()
+    verdicts[key] = verdict
+    path = cache_root() / CHOICE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(verdicts, indent=1))
+    return verdict
 
 
 def _choice_key(target: Target) -> str:
@@ -203,24 +246,12 @@ def choose(target: Target, compiled, eager):
     if not ok:
         log.info("compile=auto: eager decoding (%s)", why)
         return eager
-    path = cache_root() / CHOICE_FILE
     key = _choice_key(target)
-    verdicts = {}
-    if path.is_file():
-        try:
-            verdicts = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            verdicts = {}
-    verdict = verdicts.get(key)
+    verdict = _read_verdicts().get(key)
     if verdict is None:
         log.info("compile=auto: timing a compiled plain step against an eager one (once for this target and device)")
         context = min(256, target.max_context // 2)
-        compiled_ms, eager_ms = _timed_step_ms(compiled, context), _timed_step_ms(eager, context)
-        verdict = {"compiled_ms": round(compiled_ms, 2), "eager_ms": round(eager_ms, 2),
-                   "choice": "compiled" if compiled_ms < eager_ms else "eager"}
-        verdicts[key] = verdict
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(verdicts, indent=1))
+        verdict = _save_verdict(key, _timed_step_ms(compiled, context), _timed_step_ms(eager, context))
     log.info("compile=auto: %s decoding (a plain step timed %.1f ms compiled, %.1f ms eager)", verdict["choice"],
              verdict["compiled_ms"], verdict["eager_ms"])
     return compiled if verdict["choice"] == "compiled" else eager
