@@ -79,11 +79,14 @@ def generate_on_rows(rows: StaticRows, prompts: list[list[int]], params: Samplin
     pending = deque(range(len(prompts)))
     active: list[_Active] = []
 
+    def answer(index: int, reply: Reply) -> None:
+        replies[index] = reply
+        if on_reply is not None:
+            on_reply(index, reply)
+
     def end(slot: _Active, finished: bool) -> None:
         rows.detach(slot.row)
-        replies[slot.index] = Reply(slot.tokens, finished)
-        if on_reply is not None:
-            on_reply(slot.index, replies[slot.index])
+        answer(slot.index, Reply(slot.tokens, finished))
 
     def push(slot: _Active, logits: torch.Tensor) -> bool:
         """Sample the next token from [V] logits; -> whether the sequence goes on."""
@@ -103,9 +106,7 @@ def generate_on_rows(rows: StaticRows, prompts: list[list[int]], params: Samplin
             prompt = prompts[index]
             limit = min(max_new_tokens, rows.context - len(prompt))
             if not prompt or limit < 1:
-                replies[index] = Reply([], False)
-                if on_reply is not None:
-                    on_reply(index, replies[index])
+                answer(index, Reply([], False))
                 continue
             slot = _Active(index, rows.attach(), limit, torch.Generator(device=device).manual_seed(seeds[index]))
             hidden, _ = rows.prefill(slot.row, torch.tensor(prompt, device=device))  # [T, H]
