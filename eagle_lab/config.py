@@ -130,6 +130,8 @@ class TrainerConfig:
     features: str = "offline"  # offline (capture shards once, then train) | online
     features_dir: str = ""  # offline shards; "" = <cache>/features/<target>-<data hash>
     capture_only: bool = False  # capture the requested data's features, then exit (a background job)
+    # evaluate the head at head.path on this data's held-out set (eval.json in the run directory); no training
+    eval_only: bool = False
     # corpus layout (data.eval_conversations > 0): which decoder layers shards store besides the top
     # feature: auto = what this head reads; eagle3 = EAGLE-3's default layers too (reused by a later run)
     capture_layers: str = "auto"

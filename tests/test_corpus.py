@@ -228,3 +228,44 @@ def test_capture_only_cli_captures_and_trains_nothing(tmp_path):
     assert len(list((corpus / "train").glob("shard_*.safetensors"))) == 2  # 16 conversations / 8
     assert len(list((corpus / "eval").glob("shard_*.safetensors"))) == 1
     assert "capture train: 2/2 shards" in done.stderr and not (tmp_path / "run" / "head").exists()
+
+
+@pytest.mark.slow
+def test_eval_only_scores_an_exported_head_as_its_training_run_did(tmp_path):
+    from test_train import smoke_cfg
+
+    from eagle_lab.training.trainer import Recipe
+
+    data = tmp_path / "convs.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": c}) for c in conversations(24)))
+    common = ("data=file", f"data.path={data}", "data.eval_conversations=6", "data.shard_conversations=8",
+              "data.num_conversations=0", "trainer.max_steps=4", "trainer.eval_every=1000",
+              f"trainer.features_dir={tmp_path / 'features'}")
+    trained = Recipe(smoke_cfg(tmp_path / "run", *common))
+    trained.setup()
+    trained.train()
+    head = trained.export()
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "features").rglob("shard_*.safetensors")}
+
+    scored = Recipe(smoke_cfg(tmp_path / "eval", *common, "trainer.eval_only=true", f"head.path={head}"))
+    scored.setup()
+    assert scored.train_source is None  # the training split is not read
+    result = scored.evaluate_only()
+    assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # nothing captured again
+    written = json.loads((tmp_path / "eval" / "run" / "eval.json").read_text())
+    assert written["sequences"] == 6 and written["head"] == str(head.resolve())
+    for depth in range(1, 6):
+        key = f"eval_acc_{depth}"
+        assert result[key] == pytest.approx(trained.last_eval[key], abs=1e-6), key
+        assert written[key] == result[key]
+
+
+def test_eval_only_needs_a_trained_head(tmp_path):
+    from test_train import smoke_cfg
+
+    from eagle_lab.training.trainer import Recipe
+
+    for extra in (("trainer.eval_only=true",), ("trainer.eval_only=true", "head.path=random"),
+                  ("trainer.eval_only=true", "head.path=/x", "trainer.capture_only=true")):
+        with pytest.raises(EagleLabError, match="trainer.eval_only evaluates a trained EAGLE head"):
+            Recipe(smoke_cfg(tmp_path / "run", *extra)).setup()

@@ -60,7 +60,8 @@ class Recipe:
     def setup(self) -> None:
         cfg = self.cfg
         self._validate()
-        if ckpt.latest_checkpoint(self.ckpt_dir) and not cfg.trainer.resume and not cfg.trainer.capture_only:
+        if ckpt.latest_checkpoint(self.ckpt_dir) and not (cfg.trainer.resume or cfg.trainer.capture_only
+                                                          or cfg.trainer.eval_only):
             raise EagleLabError(f"{self.run_dir} already has checkpoints: pass trainer.resume=true to continue, "
                                 "or name=<new name> for a fresh run")
         torch.manual_seed(cfg.trainer.seed)
@@ -73,6 +74,9 @@ class Recipe:
             self.train_source, self.eval_source = self._corpus_sources()
             if cfg.trainer.capture_only:
                 return
+            if cfg.trainer.eval_only:
+                self.head = self._trained_head()
+                return
             supervised = self.train_source.store.supervised_tokens()
         else:
             train_rows, eval_rows, stats = build_datasets(cfg.data, self.target.tokenizer, self._rewrite())
@@ -81,6 +85,9 @@ class Recipe:
             supervised = (torch.tensor(r["input_ids"])[torch.tensor(r["loss_mask"], dtype=torch.bool)]
                           for r in train_rows)
         if cfg.trainer.capture_only:
+            return
+        if cfg.trainer.eval_only:
+            self.head = self._trained_head()
             return
         counts = supervised_counts(supervised, self.target.vocab_size)
         vocab_ids = draft_vocabulary(counts, cfg.head.draft_vocab_size, set(self.target.eos_token_ids))
@@ -105,6 +112,10 @@ class Recipe:
         check_kind(cfg.head)
         if cfg.data.eval_conversations < 0 or cfg.data.shard_conversations < 1:
             raise EagleLabError("data.eval_conversations must be >= 0 and data.shard_conversations >= 1")
+        if cfg.trainer.eval_only and (cfg.trainer.capture_only or cfg.head.kind not in ("eagle2", "eagle3")
+                                      or cfg.head.path in ("", "random")):
+            raise EagleLabError("trainer.eval_only evaluates a trained EAGLE head: set head.path=<head directory> "
+                                "(head.kind eagle2 or eagle3) and leave trainer.capture_only off")
         if cfg.data.eval_conversations > 0 and cfg.trainer.features != "offline":
             raise EagleLabError("data.eval_conversations > 0 (the shared feature corpus) needs trainer.features=offline")
 
@@ -153,12 +164,15 @@ class Recipe:
                  len(splits["train"].shards_for(count)))
         wait = not cfg.trainer.capture_only  # a capture worker leaves others' shards to them
         capture_split(self.target, splits["eval"], held, tokenize, eval_counts, capture_layers, wait=wait)
+        evals = CorpusStore(splits["eval"], held, self.layer_ids)
+        if cfg.trainer.eval_only:  # the training split is not read
+            self._barrier()
+            return None, ExampleSource(self.target, None, evals, self.layer_ids)
         capture_split(self.target, splits["train"], count, tokenize, train_counts, capture_layers, wait=wait)
         self._barrier()
         if cfg.trainer.capture_only:
             return None, None
         train = CorpusStore(splits["train"], count, self.layer_ids)
-        evals = CorpusStore(splits["eval"], held, self.layer_ids)
         self.train_conversations = count
         log.info("features: %d train examples (%d tokens), %d held-out examples (%d tokens)", len(train),
                  train.tokens, len(evals), evals.tokens)
@@ -170,6 +184,27 @@ class Recipe:
         if not self.cfg.data.regenerate.enabled:
             return None
         return target_rewrite(self.target, self.cfg.data, self.rank, self.world, self._barrier, self._autocast)
+
+    def _trained_head(self):
+        """trainer.eval_only: the head at head.path, in the dtype training evaluates in."""
+        from eagle_lab.interop import load_head
+
+        head = load_head(self.cfg.head.path, self.target)
+        if head.arch.kind != self.cfg.head.kind:
+            raise EagleLabError(f"head.path holds a {head.arch.kind} head, but head.kind={self.cfg.head.kind}: "
+                                f"pass head={head.arch.kind}")
+        head = head.to(self.device)
+        return head.float() if self.device.type == "cpu" else head
+
+    def evaluate_only(self) -> dict[str, float]:
+        """Held-out top-1 of the head at head.path, written to <run_dir>/eval.json."""
+        result = self.evaluate()
+        if self.rank == 0:
+            record = {"head": str(Path(self.cfg.head.path).expanduser().resolve()), "data": self.cfg.data.name,
+                      "regenerated": self.cfg.data.regenerate.enabled, **self.last_eval}
+            (self.run_dir / "eval.json").write_text(json.dumps(record, indent=1) + "\n")
+            log.info("wrote %s", self.run_dir / "eval.json")
+        return result
 
     def _layer_ids(self) -> tuple[int, ...]:
         """Hidden states the head reads (EAGLE-3 fuses three); EAGLE-2 reads only the top."""
@@ -331,7 +366,8 @@ class Recipe:
         result = heldout_accuracy(self.head, self.target, batches, self.cfg.trainer.eval_depth)
         self.last_eval = {**result, "sequences": count}
         self.head.train()
-        log.info("eval @ step %d: %s", self.step, " ".join(f"{k}={v:.3f}" for k, v in result.items()))
+        where = self.cfg.head.path if self.cfg.trainer.eval_only else f"step {self.step}"
+        log.info("eval @ %s: %s", where, " ".join(f"{k}={v:.3f}" for k, v in result.items()))
         return result
 
     def save_checkpoint(self) -> None:
@@ -386,6 +422,9 @@ def run(raw: DictConfig, command: str = "") -> Path | None:
     recipe.setup()
     if cfg.trainer.capture_only:
         log.info("trainer.capture_only: features captured; nothing trained")
+        return None
+    if cfg.trainer.eval_only:
+        recipe.evaluate_only()
         return None
     recipe.train()
     return recipe.export()
