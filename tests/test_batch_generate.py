@@ -45,6 +45,21 @@ def test_greedy_replies_equal_plain_decoding_alone(tiny_target, row_counts):
         assert not reply.finished  # no eos: every reply ran to max_new_tokens
 
 
+def test_kept_features_equal_a_capture_pass_over_the_same_tokens(tiny_target):
+    from eagle_lab.training.features import compute_features
+
+    prompts = prompts_for(tiny_target)
+    free = generate_on_rows(rows_for(tiny_target), prompts, SamplingParams(), 12, set())
+    eos = {free[2].token_ids[5]}  # some replies end with an eos (every token fed), others at the limit
+    replies = generate_on_rows(rows_for(tiny_target), prompts, SamplingParams(), 12, eos, keep_features=True)
+    assert any(r.finished for r in replies) and not all(r.finished for r in replies)
+    for prompt, reply in zip(prompts, replies):
+        fed = prompt + (reply.token_ids if reply.finished else reply.token_ids[:-1])
+        assert reply.features.shape == (len(fed), tiny_target.hidden_size)
+        (captured, _), = compute_features(tiny_target, [fed])
+        torch.testing.assert_close(reply.features, captured, rtol=1e-4, atol=1e-4)
+
+
 def test_an_eos_ends_a_reply_and_is_not_kept(tiny_llama):
     prompts = prompts_for(tiny_llama)
     free = generate_on_rows(rows_for(tiny_llama), prompts, SamplingParams(), 12, set())

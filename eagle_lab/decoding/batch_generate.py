@@ -49,6 +49,9 @@ def grouped_query_sdpa() -> Iterator[None]:
 class Reply:
     token_ids: list[int]  # the generated tokens, without the eos that ended them
     finished: bool  # ended with an eos token (not at max_new_tokens or the context)
+    # keep_features: [F, H] top features of every token the target read (the prompt, then each generated
+    # token fed back; a reply cut at its limit never feeds its last token: F = prompt + tokens - 1)
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -58,16 +61,18 @@ class _Active:
     limit: int  # most tokens it may generate
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)  # keep_features: [n, H] pieces
 
 
 @torch.no_grad()
 def generate_on_rows(rows: StaticRows, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int,
                      eos_ids: set[int], seeds: list[int] | None = None,
-                     on_reply: Callable[[int, Reply], None] | None = None) -> list[Reply]:
+                     on_reply: Callable[[int, Reply], None] | None = None, keep_features: bool = False) -> list[Reply]:
     """prompts: token ids, each decoded on its own (plain decoding, batched) -> one Reply per prompt, in order.
 
     A prompt with no room under `rows.context` gets an empty, unfinished reply. on_reply(index, reply)
-    is called as each one ends (progress, partial saving)."""
+    is called as each one ends (progress, partial saving). keep_features: each Reply also carries the
+    top features its forwards computed (what a separate capture pass over the same tokens would)."""
     if max_new_tokens < 1:
         raise EagleLabError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     seeds = list(range(len(prompts))) if seeds is None else seeds
@@ -86,7 +91,8 @@ def generate_on_rows(rows: StaticRows, prompts: list[list[int]], params: Samplin
 
     def end(slot: _Active, finished: bool) -> None:
         rows.detach(slot.row)
-        answer(slot.index, Reply(slot.tokens, finished))
+        features = torch.cat(slot.features).cpu() if keep_features else None
+        answer(slot.index, Reply(slot.tokens, finished, features))
 
     def push(slot: _Active, logits: torch.Tensor) -> bool:
         """Sample the next token from [V] logits; -> whether the sequence goes on."""
@@ -110,6 +116,8 @@ def generate_on_rows(rows: StaticRows, prompts: list[list[int]], params: Samplin
                 continue
             slot = _Active(index, rows.attach(), limit, torch.Generator(device=device).manual_seed(seeds[index]))
             hidden, _ = rows.prefill(slot.row, torch.tensor(prompt, device=device))  # [T, H]
+            if keep_features:
+                slot.features.append(hidden)
             if push(slot, target.logits(hidden[-1])):
                 active.append(slot)
         if not active:
@@ -119,6 +127,8 @@ def generate_on_rows(rows: StaticRows, prompts: list[list[int]], params: Samplin
         rows.keep_roots([slot.row for slot in active], scores[0].scored_at)
         still = []
         for slot, score in zip(active, scores):
+            if keep_features:
+                slot.features.append(score.features[:1])  # [1, H]: the token fed this round
             if push(slot, score.logits[0]):
                 still.append(slot)
         active = still
