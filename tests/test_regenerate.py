@@ -4,6 +4,7 @@ order, work resumes from cached chunks, bad settings are refused."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -205,3 +206,35 @@ def test_self_distilled_corpus_holds_out_the_targets_replies_to_the_tail(tmp_pat
     assert all(c[-1]["content"] != "from elsewhere" for c in tail)
     text = recipe.target.tokenizer.decode(recipe.eval_source.store[0].input_ids.tolist())
     assert "question 24" in text and "from elsewhere" not in text
+
+
+def test_add_regenerated_mixes_the_targets_replies_into_the_source_corpus(tmp_path, monkeypatch):
+    from test_train import smoke_cfg
+
+    from eagle_lab.training.trainer import Recipe
+
+    monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "convs.jsonl"
+    convs = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "from elsewhere"}]
+             for i in range(30)]
+    data.write_text("\n".join(json.dumps({"messages": c}) for c in convs))
+    common = ("data=file", f"data.path={data}", "data.eval_conversations=6", "data.shard_conversations=8",
+              "trainer.epochs=1", "trainer.max_steps=1000", "data.regenerate.max_new_tokens=8",
+              "data.regenerate.batch_size=4", "data.regenerate.block_conversations=8",
+              f"trainer.features_dir={tmp_path / 'features'}")
+    recipe = Recipe(smoke_cfg(tmp_path / "run", *common, "data.num_conversations=10", "data.add_regenerated=8"))
+    recipe.setup()
+    decode = recipe.target.tokenizer.decode
+    texts = [decode(recipe.train_source.store[i].input_ids.tolist()) for i in range(len(recipe.train_source))]
+    source, regenerated = texts[:10], texts[10:]
+    assert all("from elsewhere" in t for t in source) and len(regenerated) == recipe.train_parts[1]["examples"] > 0
+    assert not any("from elsewhere" in t for t in regenerated)
+    assert [re.search(r"question (\d+)", t).group(1) for t in regenerated] == [str(i) for i in range(len(regenerated))]
+    assert recipe.train_source.tokens == sum(part["tokens"] for part in recipe.train_parts)
+    assert [part["replies"] for part in recipe.train_parts] == ["source", "target"]
+    heldout = [decode(recipe.eval_source.store[i].input_ids.tolist()) for i in range(len(recipe.eval_source))]
+    assert len(heldout) == 6 and all("from elsewhere" in t for t in heldout)  # the primary corpus's tail
+    assert recipe.card().data["parts"] == recipe.train_parts
+
+    with pytest.raises(EagleLabError, match="data.add_regenerated=N mixes"):
+        Recipe(smoke_cfg(tmp_path / "bad", *common, "data.add_regenerated=8", "data.regenerate.enabled=true")).setup()

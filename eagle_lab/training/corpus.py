@@ -21,6 +21,7 @@ Layer file: layer_features [N, n*H] bf16.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import sys
@@ -194,7 +195,7 @@ class CorpusStore:
     """
 
     def __init__(self, split: Split, count: int, layer_ids: tuple[int, ...] = ()):
-        self.split, self.layer_ids = split, layer_ids
+        self.split, self.layer_ids, self.count = split, layer_ids, count
         self._handles: list = []
         self._index: list[tuple[int, int, int]] = []  # (handle slot, start, end) per example
         self._ids: list[torch.Tensor] = []
@@ -239,6 +240,35 @@ class CorpusStore:
         """Per example: the token ids under the loss mask (for the draft vocabulary)."""
         for ids, mask in zip(self._ids, self._masks):
             yield ids[mask]
+
+
+class CorpusStores:
+    """Several stores read as one training set (a mix of corpora: the source's replies and the
+    target's own); example i of the whole is example i - offset of the store that holds it."""
+
+    def __init__(self, stores: list[CorpusStore]):
+        self.stores = stores
+        self._starts = [0]
+        for store in stores:
+            self._starts.append(self._starts[-1] + len(store))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, index: int) -> Example:
+        part = bisect.bisect_right(self._starts, index) - 1
+        return self.stores[part][index - self._starts[part]]
+
+    def lengths(self) -> list[int]:
+        return [n for store in self.stores for n in store.lengths()]
+
+    @property
+    def tokens(self) -> int:
+        return sum(store.tokens for store in self.stores)
+
+    def supervised_tokens(self) -> Iterator[torch.Tensor]:
+        for store in self.stores:
+            yield from store.supervised_tokens()
 
 
 @dataclass

@@ -50,6 +50,9 @@ class DataConfig:
     seed: int = 0
     # Self-distillation: replies rewritten by the target (eagle_lab.training.regenerate), needs the target
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    # > 0 (feature corpus only, regenerate.enabled off): also train on the target's own replies (with
+    # `regenerate`'s settings) to the first N conversations, beside num_conversations with their own replies
+    add_regenerated: int = 0
 
 
 @dataclass

@@ -29,7 +29,7 @@ from eagle_lab.head import draft_lm_head_weight
 from eagle_lab.target import load_target
 from eagle_lab.training import checkpoint as ckpt
 from eagle_lab.training.batches import ExampleSource, collate, epoch_order
-from eagle_lab.training.corpus import CorpusStore, capture_split, open_corpus
+from eagle_lab.training.corpus import CorpusStore, CorpusStores, capture_split, open_corpus
 from eagle_lab.training.corpus_layout import Split, corpus_key
 from eagle_lab.training.data import build_datasets, load_conversations, tokenize_conversation
 from eagle_lab.training.draft_vocab import draft_vocabulary, supervised_counts
@@ -52,6 +52,7 @@ class Recipe:
         self.cfg = cfg
         self.command = command  # how this run was started, for the head card
         self.train_conversations = 0  # conversations asked for (examples drop those without a reply)
+        self.train_parts: list[dict] = []  # the feature corpus: what each part of the training set holds
         self.last_eval: dict[str, float] = {}
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "ckpt"
@@ -116,6 +117,10 @@ class Recipe:
                                       or cfg.head.path in ("", "random")):
             raise EagleLabError("trainer.eval_only evaluates a trained EAGLE head: set head.path=<head directory> "
                                 "(head.kind eagle2 or eagle3) and leave trainer.capture_only off")
+        if cfg.data.add_regenerated < 0 or (cfg.data.add_regenerated > 0 and (
+                cfg.data.regenerate.enabled or cfg.data.eval_conversations == 0)):
+            raise EagleLabError("data.add_regenerated=N mixes the target's replies to N conversations into a feature "
+                                "corpus of the source's own (data.eval_conversations > 0, data.regenerate.enabled=false)")
         if cfg.data.eval_conversations > 0 and cfg.trainer.features != "offline":
             raise EagleLabError("data.eval_conversations > 0 (the shared feature corpus) needs trainer.features=offline")
 
@@ -129,11 +134,37 @@ class Recipe:
                      tcfg.max_steps)
 
     def _corpus_sources(self):
-        """Train on the first data.num_conversations of a shared corpus, evaluate on its held-out
-        tail (eagle_lab.training.corpus); capture whatever of that is not on disk yet."""
+        """Train on the first data.num_conversations of a shared corpus (plus, with
+        data.add_regenerated = N, the target's own replies to the first N), evaluate on its
+        held-out tail (eagle_lab.training.corpus); capture whatever of that is not on disk yet."""
         cfg, data = self.cfg, self.cfg.data
         conversations, stats = load_conversations(replace(data, num_conversations=0))
-        held, count, rewrite = data.eval_conversations, data.num_conversations, self._rewrite()
+        parts = [(data.regenerate.enabled, data.num_conversations)]
+        if data.add_regenerated > 0:
+            parts.append((True, data.add_regenerated))
+        opened = [self._corpus_part(conversations, stats, regenerated, count, primary=not index)
+                  for index, (regenerated, count) in enumerate(parts)]
+        evals = opened[0][1]
+        if cfg.trainer.eval_only:  # the training split is not read
+            return None, ExampleSource(self.target, None, evals, self.layer_ids)
+        if cfg.trainer.capture_only:
+            return None, None
+        train = CorpusStores([store for store, _ in opened])
+        self.train_parts = [{"replies": "target" if regenerated else "source", "conversations": store.count,
+                             "examples": len(store), "tokens": store.tokens}
+                            for (regenerated, _), (store, _) in zip(parts, opened)]
+        self.train_conversations = sum(part["conversations"] for part in self.train_parts)
+        log.info("features: %d train examples (%d tokens), %d held-out examples (%d tokens)", len(train),
+                 train.tokens, len(evals), evals.tokens)
+        return (ExampleSource(self.target, None, train, self.layer_ids),
+                ExampleSource(self.target, None, evals, self.layer_ids))
+
+    def _corpus_part(self, conversations, stats, regenerated: bool, count: int, primary: bool):
+        """One corpus of the source's conversations, with their own replies or the target's
+        (`regenerated`) -> (a store of its first `count` training conversations, or None where
+        training is not read; a store of its held-out tail for the primary corpus, else None)."""
+        cfg, data = self.cfg, self.cfg.data
+        held, rewrite = data.eval_conversations, self._rewrite(regenerated)
         if rewrite is not None:  # the target's own replies: the pool is the part rewritten so far
             conversations, held, count, dropped = regenerated_pool(
                 rewrite, conversations, held, count, data.regenerate.block_conversations)
@@ -151,37 +182,34 @@ class Recipe:
         pool = corpus.train.conversations
         count = count or len(pool)
         if count > len(pool):
-            raise EagleLabError(f"data.num_conversations={count}, but '{data.name}' has {len(pool)} usable "
+            what = "data.num_conversations" if primary else "data.add_regenerated"
+            raise EagleLabError(f"{what}={count}, but '{data.name}' has {len(pool)} usable "
                                 f"conversations besides the {held} held out (0 = all of them)")
         capture_layers = self.layer_ids
         if cfg.trainer.capture_layers == "eagle3" and not capture_layers:
             capture_layers = eagle3_layer_ids(self.target.num_layers)
         have = sum(splits["train"].is_complete(k, capture_layers) for k in splits["train"].shards_for(count))
-        log.info("data %s: %s. Corpus %s: %d conversations (%.2fM tokens at max_length %d) + %d held out "
+        log.info("data %s%s: %s. Corpus %s: %d conversations (%.2fM tokens at max_length %d) + %d held out "
                  "(%.2fM tokens). Requested the first %d (%.2fM tokens): %d of %d shards on disk", data.name,
-                 stats.summary(), directory, len(pool), sum(train_counts) / 1e6, data.max_length, held,
-                 sum(eval_counts) / 1e6, count, sum(train_counts[:count]) / 1e6, have,
-                 len(splits["train"].shards_for(count)))
+                 " (the target's replies)" if regenerated else "", stats.summary(), directory, len(pool),
+                 sum(train_counts) / 1e6, data.max_length, held, sum(eval_counts) / 1e6, count,
+                 sum(train_counts[:count]) / 1e6, have, len(splits["train"].shards_for(count)))
         wait = not cfg.trainer.capture_only  # a capture worker leaves others' shards to them
-        capture_split(self.target, splits["eval"], held, tokenize, eval_counts, capture_layers, wait=wait)
-        evals = CorpusStore(splits["eval"], held, self.layer_ids)
-        if cfg.trainer.eval_only:  # the training split is not read
-            self._barrier()
-            return None, ExampleSource(self.target, None, evals, self.layer_ids)
-        capture_split(self.target, splits["train"], count, tokenize, train_counts, capture_layers, wait=wait)
+        if primary:
+            capture_split(self.target, splits["eval"], held, tokenize, eval_counts, capture_layers, wait=wait)
+        if not cfg.trainer.eval_only:
+            capture_split(self.target, splits["train"], count, tokenize, train_counts, capture_layers, wait=wait)
         self._barrier()
         if cfg.trainer.capture_only:
             return None, None
-        train = CorpusStore(splits["train"], count, self.layer_ids)
-        self.train_conversations = count
-        log.info("features: %d train examples (%d tokens), %d held-out examples (%d tokens)", len(train),
-                 train.tokens, len(evals), evals.tokens)
-        return (ExampleSource(self.target, None, train, self.layer_ids),
-                ExampleSource(self.target, None, evals, self.layer_ids))
+        evals = CorpusStore(splits["eval"], held, self.layer_ids) if primary else None
+        train = None if cfg.trainer.eval_only else CorpusStore(splits["train"], count, self.layer_ids)
+        return train, evals
 
-    def _rewrite(self):
-        """Self-distillation (`data.regenerate.enabled`): the target's replies, shared by every later run."""
-        if not self.cfg.data.regenerate.enabled:
+    def _rewrite(self, regenerated: bool | None = None):
+        """Self-distillation (`data.regenerate.enabled`, or `regenerated`): the target's replies,
+        shared by every later run."""
+        if not (self.cfg.data.regenerate.enabled if regenerated is None else regenerated):
             return None
         return target_rewrite(self.target, self.cfg.data, self.rank, self.world, self._barrier, self._autocast)
 
@@ -403,7 +431,9 @@ class Recipe:
             heldout_tau_chain=round(self.last_eval.get("eval_tau_chain", 0.0), 4),
             draft_vocab_size=draft_vocab_size(self.head), trainable_parameters=trainable_parameters(self.head),
             data={"name": cfg.data.name, "source": cfg.data.source, "max_length": cfg.data.max_length,
-                  "eval_conversations": cfg.data.eval_conversations},
+                  "eval_conversations": cfg.data.eval_conversations,
+                  "heldout_replies": "target" if cfg.data.regenerate.enabled else "source",
+                  **({"parts": self.train_parts} if self.train_parts else {})},
             command=self.command or "python train.py (overrides not recorded)")
 
     def _log(self, record: dict) -> None:
