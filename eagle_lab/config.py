@@ -29,6 +29,7 @@ class HeadConfig:
     ttt_steps: int = 1  # training: draft steps unrolled per position (EAGLE-3 "training-time test")
     feature_layers: list[int] = field(default_factory=list)  # eagle3: hidden_states indices; [] = (2, L//2, L-3)
     init_layer_from_target: bool = False  # training, eagle2: start the decoder layer from the target's last
+    intermediate_size: int = 0  # training, eagle2/eagle3: the head MLP's width; 0 = the target's (capacity knob)
     draft_layers: int = 2  # head.kind=draft_lm: decoder layers of the standalone draft model
     medusa_heads: int = 4  # head.kind=medusa: heads, head k guessing the token k+1 places ahead
     seed: int = 0

@@ -24,10 +24,12 @@ def head_class(kind: str) -> type[EagleHead]:
 
 
 def new_head(target, kind: str = "eagle2", draft_vocab_ids: torch.Tensor | None = None, seed: int = 0,
-             feature_layers: tuple[int, ...] = (), layer_from_target: bool = False) -> EagleHead:
+             feature_layers: tuple[int, ...] = (), layer_from_target: bool = False,
+             intermediate_size: int = 0) -> EagleHead:
     """A freshly initialised head for `target`; feature_layers overrides the kind's default
     (EAGLE-3: hidden_states indices (2, L//2, L-3)); layer_from_target starts an EAGLE-2
-    head's decoder layer from the target's last layer."""
+    head's decoder layer from the target's last layer; intermediate_size > 0 sets the width of
+    the head's MLP (default: the target's)."""
     cls = head_class(kind)
     size = 0 if draft_vocab_ids is None else draft_vocab_ids.numel()
     layers = tuple(feature_layers) or cls.default_feature_layers(target.num_layers)
@@ -37,6 +39,12 @@ def new_head(target, kind: str = "eagle2", draft_vocab_ids: torch.Tensor | None 
     if bad:
         raise EagleLabError(f"head.feature_layers {bad} outside 0..{target.num_layers} for target '{target.name}'")
     arch = HeadArchitecture.for_target(target, kind=kind, draft_vocab_size=size, feature_layers=layers)
+    if intermediate_size < 0:
+        raise EagleLabError(f"head.intermediate_size must be >= 0 (0 = the target's), got {intermediate_size}")
+    if intermediate_size:
+        if layer_from_target and intermediate_size != arch.intermediate_size:
+            raise EagleLabError("head.init_layer_from_target copies the target's MLP: leave head.intermediate_size at 0")
+        arch.intermediate_size = intermediate_size
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         head = cls(arch)

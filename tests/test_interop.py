@@ -344,3 +344,27 @@ def test_cli_argument_errors_and_target_from_run(tiny_llama, tmp_path, capsys):
     assert export_main([f"head_path={head_dir}", "format=eagle", f"out={tmp_path / 'e2'}"]) == 0
     assert "for target tiny_llama" in capsys.readouterr().out
     assert_same_head(head, import_published(tmp_path / "e2", tiny_llama))
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
+def test_a_wider_head_mlp_round_trips_and_drafts_losslessly(tiny_llama, tmp_path, kind):
+    from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
+    from eagle_lab.sampling import SamplingParams
+
+    width = 2 * tiny_llama.config.intermediate_size
+    head = new_head(tiny_llama, kind=kind, seed=4, intermediate_size=width)
+    assert head.arch.intermediate_size == width and head.layer.mlp.gate_proj.weight.shape[0] == width
+    for saved in (save_head(head, tmp_path / "native"), export_head(head, tiny_llama, tmp_path / "published",
+                                                                     "eagle3" if kind == "eagle3" else "eagle")):
+        loaded = load_head(saved, tiny_llama)
+        assert loaded.arch.intermediate_size == width
+        assert_same_head(head, loaded)
+    prompt = torch.arange(3, 19)
+    stop = Stopper(tiny_llama.tokenizer, 24, set())
+    plain = generate(vanilla_decode(tiny_llama, prompt, SamplingParams(), stop))
+    drafter = EagleDrafter(head, tiny_llama, TreeShape(depth=3, topk=2, total_tokens=6))
+    spec = generate(speculative_decode(tiny_llama, drafter, prompt, SamplingParams(), Stopper(tiny_llama.tokenizer, 24,
+                                                                                              set())))
+    assert spec.token_ids == plain.token_ids
+    with pytest.raises(EagleLabError, match="intermediate_size must be >= 0"):
+        new_head(tiny_llama, kind=kind, intermediate_size=-1)

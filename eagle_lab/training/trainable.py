@@ -34,7 +34,8 @@ def new_trainable(target: Target, cfg, vocab_ids: torch.Tensor, device: torch.de
         module = MedusaHeads(MedusaArch(target.hidden_size, target.vocab_size, cfg.medusa_heads), vocab_ids)
     else:
         module = new_head(target, kind=cfg.kind, draft_vocab_ids=vocab_ids, seed=cfg.seed,
-                          feature_layers=tuple(cfg.feature_layers), layer_from_target=cfg.init_layer_from_target)
+                          feature_layers=tuple(cfg.feature_layers), layer_from_target=cfg.init_layer_from_target,
+                          intermediate_size=cfg.intermediate_size)
     module = module.to(device)
     return module.float() if device.type == "cpu" else module
 
