@@ -181,20 +181,26 @@ def test_pool_is_the_rewritten_prefix_in_whole_blocks_plus_the_heldout_tail():
     assert (held, count, dropped) == (3, 4, 2)  # q1 of the first 5 and q18 of the tail dropped
 
 
-def test_self_distilled_corpus_holds_out_the_targets_replies_to_the_tail(tmp_path, monkeypatch):
-    from test_train import smoke_cfg
-
-    from eagle_lab.training.trainer import Recipe
-
+def corpus_settings(tmp_path, monkeypatch) -> tuple[str, ...]:
+    """Overrides for a tiny feature-corpus run over 30 conversations whose replies say "from elsewhere"
+    (6 held out), regenerating 8-token replies in chunks of 4 and blocks of 8."""
     monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "convs.jsonl"
     convs = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "from elsewhere"}]
              for i in range(30)]
     data.write_text("\n".join(json.dumps({"messages": c}) for c in convs))
-    common = ("data=file", f"data.path={data}", "data.eval_conversations=6", "data.shard_conversations=8",
-              "trainer.epochs=1", "trainer.max_steps=1000", "data.regenerate.enabled=true",
-              "data.regenerate.max_new_tokens=8", "data.regenerate.batch_size=4",
-              "data.regenerate.block_conversations=8", f"trainer.features_dir={tmp_path / 'features'}")
+    return ("data=file", f"data.path={data}", "data.eval_conversations=6", "data.shard_conversations=8",
+            "trainer.epochs=1", "trainer.max_steps=1000", "data.regenerate.max_new_tokens=8",
+            "data.regenerate.batch_size=4", "data.regenerate.block_conversations=8",
+            f"trainer.features_dir={tmp_path / 'features'}")
+
+
+def test_self_distilled_corpus_holds_out_the_targets_replies_to_the_tail(tmp_path, monkeypatch):
+    from test_train import smoke_cfg
+
+    from eagle_lab.training.trainer import Recipe
+
+    common = (*corpus_settings(tmp_path, monkeypatch), "data.regenerate.enabled=true")
     recipe = Recipe(smoke_cfg(tmp_path / "run", *common, "data.num_conversations=10"))
     recipe.setup()
     assert len(recipe.train_source) == 10 and len(recipe.eval_source) == 6
@@ -213,15 +219,7 @@ def test_add_regenerated_mixes_the_targets_replies_into_the_source_corpus(tmp_pa
 
     from eagle_lab.training.trainer import Recipe
 
-    monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path / "cache"))
-    data = tmp_path / "convs.jsonl"
-    convs = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "from elsewhere"}]
-             for i in range(30)]
-    data.write_text("\n".join(json.dumps({"messages": c}) for c in convs))
-    common = ("data=file", f"data.path={data}", "data.eval_conversations=6", "data.shard_conversations=8",
-              "trainer.epochs=1", "trainer.max_steps=1000", "data.regenerate.max_new_tokens=8",
-              "data.regenerate.batch_size=4", "data.regenerate.block_conversations=8",
-              f"trainer.features_dir={tmp_path / 'features'}")
+    common = corpus_settings(tmp_path, monkeypatch)
     recipe = Recipe(smoke_cfg(tmp_path / "run", *common, "data.num_conversations=10", "data.add_regenerated=8"))
     recipe.setup()
     decode = recipe.target.tokenizer.decode
