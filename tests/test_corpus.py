@@ -269,3 +269,21 @@ def test_eval_only_needs_a_trained_head(tmp_path):
                   ("trainer.eval_only=true", "head.path=/x", "trainer.capture_only=true")):
         with pytest.raises(EagleLabError, match="trainer.eval_only evaluates a trained EAGLE head"):
             Recipe(smoke_cfg(tmp_path / "run", *extra)).setup()
+
+
+def test_scaling_report_shows_each_kind_of_training_text_as_its_own_series(tmp_path):
+    from eagle_lab.card import HeadCard, write_card
+    from eagle_lab.training.scaling_report import main, series
+
+    kinds = {"sharegpt": {"name": "sharegpt"},  # a card from before the parts were recorded
+             "self": {"heldout_replies": "target", "parts": [{"replies": "target", "tokens": 2}]},
+             "mix": {"heldout_replies": "source", "parts": [{"replies": "source"}, {"replies": "target"}]}}
+    for tokens, (name, data) in enumerate(kinds.items(), start=1):
+        (tmp_path / name / "head").mkdir(parents=True)
+        write_card(tmp_path / name / "head", HeadCard(target="t", kind="eagle2", train_tokens=tokens * 10**6,
+                                                      heldout_top1=[0.5], data=data))
+    assert main([str(tmp_path / name) for name in kinds] + ["--out", str(tmp_path / "out")]) == 0
+    rows = (tmp_path / "out" / "scaling.md").read_text().splitlines()[2:]
+    assert [row.split(" | ")[1] for row in rows] == ["source replies", "target's replies",
+                                                      "source replies + target's replies"]
+    assert series(HeadCard(target="t", kind="eagle2")) == "source replies"

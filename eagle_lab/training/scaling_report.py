@@ -3,7 +3,9 @@
 Reads each run's `head/card.json` (written by train.py, MT-bench tau added by
 `mode=bench bench.update_card=true`) and writes `scaling.md` (a Markdown table, one row per
 run, sorted by training tokens) and `scaling.png` (held-out chain tau and MT-bench tau against
-training tokens, log scale) to --out (default: the current directory). Every point shows MT-bench
+training tokens, log scale; one series per kind of training text: the source's replies, the
+target's own, or a mix) to --out (default: the current directory). Held-out figures are each run's
+own held-out set (the target's replies for self-distilled runs); MT-bench tau is comparable across series. Every point shows MT-bench
 tau on the same number of prompts where the cards have it (--prompts, 20 by default: the curve's
 measure), so a head also benched on all 80 does not mix two measures in one column.
 """
@@ -28,6 +30,13 @@ def load_cards(run_dirs: list[Path]) -> list[tuple[Path, HeadCard]]:
     return sorted(cards, key=lambda rc: (rc[1].train_tokens, str(rc[0])))
 
 
+def series(card: HeadCard) -> str:
+    """The kind of training text a head saw (cards from before `data.parts` count as the source's)."""
+    parts = card.data.get("parts") or [{"replies": card.data.get("heldout_replies", "source")}]
+    kinds = sorted({part["replies"] for part in parts})  # "source" before "target"
+    return " + ".join({"source": "source replies", "target": "target's replies"}[k] for k in kinds)
+
+
 def mtbench_tau(card: HeadCard, prompts: int, tree: str = "cpu", temperature: str = "T=0") -> tuple[float, int] | None:
     """(tau, prompt count) for a tree at a temperature, measured on `prompts` prompts when the card
     has that figure (a curve compares like with like), else on the most prompts it has."""
@@ -50,12 +59,12 @@ def mtbench(card: HeadCard, prompts: int = 20) -> str:
 
 def table(cards: list[tuple[Path, HeadCard]], prompts: int = 20) -> str:
     depth = max((len(c.heldout_top1) for _, c in cards), default=0)
-    head = (["run", "conversations", "tokens", "epochs", "steps"] + [f"top-1 @{d}" for d in range(1, depth + 1)]
+    head = (["run", "replies", "conversations", "tokens", "epochs", "steps"] + [f"top-1 @{d}" for d in range(1, depth + 1)]
             + ["chain tau", "MT-bench tau (tree=cpu, T=0)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run, card in cards:
         top1 = [f"{a:.3f}" for a in card.heldout_top1] + ["-"] * (depth - len(card.heldout_top1))
-        row = [run.name, str(card.train_conversations), f"{card.train_tokens / 1e6:.2f}M", f"{card.epochs:.2f}",
+        row = [run.name, series(card), str(card.train_conversations), f"{card.train_tokens / 1e6:.2f}M", f"{card.epochs:.2f}",
                str(card.steps), *top1, f"{card.heldout_tau_chain:.3f}", mtbench(card, prompts)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
@@ -71,17 +80,24 @@ def plot(cards: list[tuple[Path, HeadCard]], path: Path, prompts: int = 20) -> N
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     plain = FuncFormatter(lambda value, _: f"{value:g}")  # 0.3, not 3x10^-1
-    tokens = [c.train_tokens / 1e6 for _, c in cards]
     depth = max((len(c.heldout_top1) for _, c in cards), default=0)
-    for d in range(depth):
-        left.plot(tokens, [c.heldout_top1[d] if d < len(c.heldout_top1) else float("nan") for _, c in cards],
-                  marker="o", label=f"position {d + 1}")
+    kinds = sorted({series(c) for _, c in cards})
+    styles = ["-", "--", ":", "-."]
+    for k, kind in enumerate(kinds):
+        members = [c for _, c in cards if series(c) == kind]
+        tokens = [c.train_tokens / 1e6 for c in members]
+        style, suffix = styles[k % len(styles)], f" ({kind})" if len(kinds) > 1 else ""
+        for d in range(depth):
+            left.plot(tokens, [c.heldout_top1[d] if d < len(c.heldout_top1) else float("nan") for c in members],
+                      marker="o", linestyle=style, color=f"C{d}", label=f"position {d + 1}{suffix}")
+        right.plot(tokens, [c.heldout_tau_chain for c in members], marker="o", linestyle=style, color="C0",
+                   label=f"held-out chain tau{suffix}")
+        points = [(t, entry[0]) for t, c in zip(tokens, members) if (entry := mtbench_tau(c, prompts)) is not None]
+        if points:
+            right.plot(*zip(*points), marker="s", linestyle=style, color="C1",
+                       label=f"MT-bench tau (tree=cpu, T=0){suffix}")
     left.set(xscale="log", xlabel="training tokens (M)", ylabel="held-out top-1", title="held-out top-1 by draft position")
-    left.legend(fontsize=8)
-    right.plot(tokens, [c.heldout_tau_chain for _, c in cards], marker="o", label="held-out chain tau")
-    points = [(t, entry[0]) for t, (_, c) in zip(tokens, cards) if (entry := mtbench_tau(c, prompts)) is not None]
-    if points:
-        right.plot(*zip(*points), marker="s", label="MT-bench tau (tree=cpu, T=0)")
+    left.legend(fontsize=7 if len(kinds) > 1 else 8)
     right.set(xscale="log", xlabel="training tokens (M)", ylabel="tokens per target forward", title="tau")
     right.legend(fontsize=8)
     for ax in (left, right):
