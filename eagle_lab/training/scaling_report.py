@@ -78,28 +78,32 @@ def plot(cards: list[tuple[Path, HeadCard]], path: Path, prompts: int = 20) -> N
 
     from matplotlib.ticker import FuncFormatter
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    from matplotlib.lines import Line2D
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     plain = FuncFormatter(lambda value, _: f"{value:g}")  # 0.3, not 3x10^-1
     depth = max((len(c.heldout_top1) for _, c in cards), default=0)
     kinds = sorted({series(c) for _, c in cards})
-    styles = ["-", "--", ":", "-."]
+    looks = [("o", "-"), ("^", "--"), ("s", ":"), ("D", "-.")]  # (marker, line) per series; colour: the measure
     for k, kind in enumerate(kinds):
+        marker, line = looks[k % len(looks)]
         members = [c for _, c in cards if series(c) == kind]
         tokens = [c.train_tokens / 1e6 for c in members]
-        style, suffix = styles[k % len(styles)], f" ({kind})" if len(kinds) > 1 else ""
         for d in range(depth):
             left.plot(tokens, [c.heldout_top1[d] if d < len(c.heldout_top1) else float("nan") for c in members],
-                      marker="o", linestyle=style, color=f"C{d}", label=f"position {d + 1}{suffix}")
-        right.plot(tokens, [c.heldout_tau_chain for c in members], marker="o", linestyle=style, color="C0",
-                   label=f"held-out chain tau{suffix}")
+                      marker=marker, linestyle=line, color=f"C{d}")
+        right.plot(tokens, [c.heldout_tau_chain for c in members], marker=marker, linestyle=line, color="C0")
         points = [(t, entry[0]) for t, c in zip(tokens, members) if (entry := mtbench_tau(c, prompts)) is not None]
         if points:
-            right.plot(*zip(*points), marker="s", linestyle=style, color="C1",
-                       label=f"MT-bench tau (tree=cpu, T=0){suffix}")
+            right.plot(*zip(*points), marker=marker, linestyle=line, color="C1")
+    kind_keys = [Line2D([], [], color="grey", marker=looks[k % len(looks)][0], linestyle=looks[k % len(looks)][1],
+                        label=kind) for k, kind in enumerate(kinds)] if len(kinds) > 1 else []
+    left.legend(handles=[Line2D([], [], color=f"C{d}", label=f"position {d + 1}") for d in range(depth)] + kind_keys,
+                fontsize=8)
+    right.legend(handles=[Line2D([], [], color="C0", label="held-out chain tau (own held-out set)"),
+                          Line2D([], [], color="C1", label="MT-bench tau (tree=cpu, T=0)")] + kind_keys, fontsize=8)
     left.set(xscale="log", xlabel="training tokens (M)", ylabel="held-out top-1", title="held-out top-1 by draft position")
-    left.legend(fontsize=7 if len(kinds) > 1 else 8)
     right.set(xscale="log", xlabel="training tokens (M)", ylabel="tokens per target forward", title="tau")
-    right.legend(fontsize=8)
     for ax in (left, right):
         ax.xaxis.set_major_formatter(plain)
         ax.xaxis.set_minor_formatter(plain)
