@@ -236,3 +236,25 @@ def test_add_regenerated_mixes_the_targets_replies_into_the_source_corpus(tmp_pa
 
     with pytest.raises(EagleLabError, match="data.add_regenerated=N mixes"):
         Recipe(smoke_cfg(tmp_path / "bad", *common, "data.add_regenerated=8", "data.regenerate.enabled=true")).setup()
+
+
+def test_samples_answer_each_training_conversation_several_times(tiny_llama, tmp_path, monkeypatch):
+    from eagle_lab.training.data import DataConfig
+    from eagle_lab.training.regenerate import regenerate_key, target_rewrite
+
+    monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path))
+    settings = {"enabled": True, "max_new_tokens": 8, "temperature": 1.0, "batch_size": 4, "block_conversations": 4}
+    data = DataConfig(source="file", path="convs.jsonl", max_length=64,
+                      regenerate=RegenerateConfig(**settings, samples=2))
+    convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "theirs"}] for i in range(10)]
+    pool, held, count, dropped = regenerated_pool(target_rewrite(tiny_llama, data), convs, 2, 3, 4)
+    train, tail = pool[:-held], pool[-held:]
+    assert [c[0]["content"] for c in tail] == ["q8", "q9"]  # the held-out tail: one reply each
+    assert [c[0]["content"] for c in train] == [f"q{i}" for i in range(4) for _ in range(2)]  # a whole block
+    assert all(train[i][1]["content"] != train[i + 1][1]["content"] for i in range(0, 8, 2))  # own seeds
+    assert (count, dropped) == (6, 0)  # 3 conversations x 2 replies
+    source = {"source": "file", "path": "convs.jsonl", "max_length": 64, "dtype": str(tiny_llama.dtype)}
+    once, twice = (regenerate_key("t", source, RegenerateConfig(**settings, samples=n)) for n in (1, 2))
+    assert once != twice
+    with pytest.raises(EagleLabError, match="samples must be >= 1, and > 1 only with temperature > 0"):
+        RegenerateConfig(**{**settings, "temperature": 0.0}, samples=2).validate()

@@ -60,12 +60,16 @@ class RegenerateConfig:
     seed: int = 0  # sampling seed (temperature > 0); each conversation's is derived from it and its place
     rows: int = 32  # sequences decoded together on a static cache; 0: Hugging Face generate per chunk
     group_chunks: int = 8  # chunks decoded together on the rows (written as each group ends)
+    samples: int = 1  # replies per training conversation, each with its own seed (> 1 needs temperature > 0)
 
     def validate(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.max_turns < 0 or self.block_conversations < 1 \
                 or self.rows < 0 or self.group_chunks < 1:
             raise EagleLabError("data.regenerate needs max_new_tokens >= 1, batch_size >= 1, max_turns >= 0, "
                                 "block_conversations >= 1, rows >= 0 and group_chunks >= 1")
+        if self.samples < 1 or (self.samples > 1 and self.temperature == 0):
+            raise EagleLabError(f"data.regenerate.samples must be >= 1, and > 1 only with temperature > 0 (greedy "
+                                f"replies repeat), got samples={self.samples}, temperature={self.temperature}")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise EagleLabError(f"data.regenerate needs temperature >= 0 and 0 < top_p <= 1, got "
                                 f"temperature={self.temperature}, top_p={self.top_p}")
@@ -75,6 +79,8 @@ def regenerate_key(target_name: str, source: dict, cfg: RegenerateConfig) -> str
     """Cache key: the target (and its dtype, in `source`), where the conversations came from and
     how they are rewritten; not how many, so every size shares one directory."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("enabled", "rows", "group_chunks")}  # how, not what
+    if settings["samples"] == 1:
+        del settings["samples"]  # one reply per conversation: the layout keys written before samples existed
     blob = json.dumps({"target": target_name, "source": source, "regenerate": settings, "layout": 2}, sort_keys=True)
     return f"{target_name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
@@ -88,16 +94,19 @@ def regenerated_pool(rewrite: Rewrite, conversations: list[Messages], held: int,
     conversations) and the first `count` (0 = all) training conversations, rewritten by the target.
     The training part is rounded up to whole blocks, so a later, larger `count` reuses every chunk.
 
-    -> (training conversations kept + tail kept, tail kept, training kept of the first `count`, dropped).
+    -> (training conversations kept + tail kept, tail kept, training kept of the first `count`, dropped);
+    a rewrite that answers each training conversation several times (`data.regenerate.samples`)
+    counts every reply.
     """
     train, tail = conversations[:-held], conversations[-held:]
     count = count or len(train)
     wanted = min(len(train), math.ceil(count / block) * block)
     new_train = rewrite(train[:wanted], "train")
+    samples = len(new_train) // max(wanted, 1)  # replies per conversation (data.regenerate.samples)
     new_tail = [c for c in rewrite(tail, "eval") if c]
-    kept_of_count = sum(1 for c in new_train[:count] if c)
+    kept_of_count = sum(1 for c in new_train[:count * samples] if c)
     kept = [c for c in new_train if c]
-    dropped = sum(1 for c in new_train[:count] if not c) + held - len(new_tail)
+    dropped = sum(1 for c in new_train[:count * samples] if not c) + held - len(new_tail)
     return kept + new_tail, len(new_tail), kept_of_count, dropped
 
 
@@ -217,6 +226,10 @@ class TargetRewrite:
         self.writer, self.directory, self.rank, self.world, self.barrier = writer, directory, rank, world, barrier
 
     def __call__(self, conversations: list[Messages], split: str) -> list[Messages | None]:
+        """Training conversations are answered `samples` times each (consecutive in the result); a
+        held-out split once."""
+        if split == "train" and self.writer.cfg.samples > 1:
+            conversations = [c for c in conversations for _ in range(self.writer.cfg.samples)]
         return regenerate_conversations(self.writer, conversations, self.directory / split, self.rank, self.world,
                                         self.barrier)
 
