@@ -162,6 +162,9 @@ class DeepSpeedConfig:
     zero_stage: int = 0
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     bf16: str = "auto"  # auto: on when training on CUDA
+    # how long a rank waits at a collective: ranks split capture and regeneration work unevenly, so one may
+    # wait hours at the barrier after it (the launchers end every rank when one dies, so no hang outlives it)
+    timeout_min: float = 360.0
 
 
 @dataclass

@@ -266,3 +266,19 @@ def test_trains_and_evaluates_against_a_bf16_target(tmp_path):
     assert recipe.target.dtype == torch.bfloat16
     recipe.train()
     assert recipe.step == 2 and 0.0 <= recipe.last_eval["eval_acc_1"] <= 1.0
+
+
+def test_ranks_wait_at_collectives_as_long_as_configured(monkeypatch):
+    import deepspeed
+
+    from eagle_lab.training.engine import init_distributed
+
+    seen = {}
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kwargs: seen.update(kwargs))
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # recorded, so the launcher variables it sets are undone afterwards
+        monkeypatch.delenv(name)
+    assert init_distributed("auto", torch.device("cpu"), timeout_min=90) == (0, 1)
+    assert seen["dist_backend"] == "gloo" and seen["timeout"].total_seconds() == 90 * 60
+    cfg = to_object(composed("train", ["run_dir=/tmp/x"]), TrainConfig)
+    assert cfg.deepspeed.timeout_min == 360  # DeepSpeed's own 10 min ended ranks that finished regeneration early

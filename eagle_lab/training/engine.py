@@ -6,12 +6,15 @@ from __future__ import annotations
 import math
 import os
 import socket
+from datetime import timedelta
 
 import torch
 
 
-def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
-    """Single process by default; deepspeed/torchrun launchers set RANK/WORLD_SIZE."""
+def init_distributed(backend: str, device: torch.device, timeout_min: float = 360.0) -> tuple[int, int]:
+    """Single process by default; deepspeed/torchrun launchers set RANK/WORLD_SIZE. timeout_min: how
+    long a collective may wait (DeepSpeed's default, 10 min, ends a rank that finished its share of
+    regeneration early)."""
     import deepspeed
 
     if "WORLD_SIZE" not in os.environ:  # a plain `python train.py`: one process, any free port
@@ -19,7 +22,7 @@ def init_distributed(backend: str, device: torch.device) -> tuple[int, int]:
                           MASTER_PORT=str(_free_port()))
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=timeout_min))
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 

@@ -68,7 +68,7 @@ class Recipe:
         torch.manual_seed(cfg.trainer.seed)
         self.target = load_target(replace(cfg.target, dtype=training_dtype(cfg.trainer.capture_dtype, cfg.target)))
         self.device = self.target.device
-        self.rank, self.world = init_distributed(cfg.deepspeed.backend, self.device)
+        self.rank, self.world = init_distributed(cfg.deepspeed.backend, self.device, cfg.deepspeed.timeout_min)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.layer_ids = self._layer_ids()
         if cfg.data.eval_conversations > 0:
@@ -100,6 +100,8 @@ class Recipe:
 
     def _validate(self) -> None:
         cfg = self.cfg
+        if cfg.deepspeed.timeout_min <= 0:
+            raise EagleLabError(f"deepspeed.timeout_min must be > 0, got {cfg.deepspeed.timeout_min}")
         if cfg.trainer.features not in ("offline", "online"):
             raise EagleLabError(f"trainer.features must be offline or online, got '{cfg.trainer.features}'")
         if cfg.trainer.max_steps < 1 or cfg.trainer.micro_batch_size < 1 or cfg.trainer.grad_accum < 1:
