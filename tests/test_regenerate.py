@@ -107,6 +107,25 @@ def test_ranks_split_the_chunks(tiny_llama, tmp_path):
     assert sorted(p.name for p in tmp_path.glob("chunk-*.json")) == ["chunk-00001.json"]
 
 
+def test_a_resumed_run_deals_the_missing_chunks_to_every_rank(tiny_llama, tmp_path):
+    import shutil
+
+    conversations = CONVERSATIONS * 6  # 18 conversations: chunks 0-4 (4, 4, 4, 4, 2)
+    regenerate_conversations(ScriptedWriter(tiny_llama, [("x", True)] * 18, batch_size=4), conversations,
+                             tmp_path / "run")
+    for c in (1, 3, 4):  # left when a run stopped: mostly one parity, the share of one rank of two
+        (tmp_path / "run" / f"chunk-{c:05d}.json").unlink()
+    rewritten = {}
+    for rank in (0, 1):  # each rank on its own copy of the stopped run, to see what it writes
+        directory = shutil.copytree(tmp_path / "run", tmp_path / f"rank{rank}")
+        writer = ScriptedWriter(tiny_llama, [("y", True)] * 18, batch_size=4)
+        with pytest.raises(EagleLabError, match="missing"):  # the other rank's share is not in this copy
+            regenerate_conversations(writer, conversations, directory, rank=rank, world=2)
+        rewritten[rank] = sorted(int(p.stem.split("-")[1]) for p in directory.glob("chunk-*.json")
+                                 if '"y"' in p.read_text())
+    assert rewritten == {0: [1, 4], 1: [3]}  # dealt out, not by chunk parity (which gives rank 0 only chunk 4)
+
+
 def test_chunks_group_similar_prompt_lengths():
     conversations = [[{"role": "user", "content": "x" * n}, {"role": "assistant", "content": "y"}]
                      for n in (50, 1, 40, 2, 30, 3)]

@@ -11,7 +11,7 @@ Layout: the conversations are cut, in source order, into blocks of `block_conver
 a block they are sorted by prompt length and cut into chunks of `batch_size`. A chunk's contents
 depend only on its block, so asking for more conversations later reuses every chunk already
 written. Each finished chunk is its own JSON file, written atomically: a killed run resumes at the
-first missing chunk, and ranks share the chunks (chunk i belongs to rank i % world).
+first missing chunk, and ranks deal out the missing chunks between them.
 
 Decoding: by default on the `rows` rows of one static cache with continuous batching
 (eagle_lab.decoding.batch_generate), several chunks at a time, so no row computes past the end
@@ -278,17 +278,20 @@ def regenerate_conversations(
     """-> the rewritten conversations in their original order (None: dropped, its first prompt
     leaves no room under max_length or its reply was empty).
 
-    Chunks already under `directory` are reused; this rank writes its missing ones, then all
-    ranks wait at `barrier` and read every chunk. A chunk file that holds other conversations
+    Chunks already under `directory` are reused; the missing ones are dealt out between the ranks
+    (every `world`-th from `rank`), then all ranks wait at `barrier` and read every chunk. A chunk file that holds other conversations
     than its slot expects (written for a shorter, partial last block) is written again.
     """
     directory.mkdir(parents=True, exist_ok=True)
     cfg = writer.cfg
     chunks = chunk_order(conversations, cfg.batch_size, cfg.block_conversations)
-    mine = [c for c in range(len(chunks)) if c % world == rank]
-    todo = [c for c in mine if _read_chunk(directory, c, chunks[c]) is None]
-    if len(todo) < len(mine) and rank == 0:
-        log.info("regenerate: reusing %d of %d chunks already in %s", len(mine) - len(todo), len(mine), directory)
+    barrier()  # every rank lists what is missing before any rank writes
+    missing = [c for c in range(len(chunks)) if _read_chunk(directory, c, chunks[c]) is None]
+    barrier()
+    todo = missing[rank::world]  # the missing chunks dealt out, so a resumed run keeps every rank busy
+    if len(missing) < len(chunks) and rank == 0:
+        log.info("regenerate: reusing %d of %d chunks already in %s", len(chunks) - len(missing), len(chunks),
+                 directory)
     progress = RegenerateProgress(sum(len(chunks[c]) for c in todo), len(todo))
     with tqdm(total=progress.conversations, desc="regenerate", unit="conv",
               disable=rank != 0 or not todo) as bar:
