@@ -82,20 +82,27 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
             runs = run_interleaved(ctx, active, encoded, params, temperature)
         else:
             runs = {method: run_prompts(ctx, method, encoded, params, temperature) for method in active}
-        summary[temperature_key(temperature)] = summarise(cfg.bench.methods, runs, params.greedy)
+        key = temperature_key(temperature)
+        summary[key] = summarise(cfg.bench.methods, runs, params.greedy)
         records.extend(prompt_records(runs, temperature, target.tokenizer, params.greedy))
-
-    results = {
-        "config": config_summary(cfg, target, len(prompts), drafters, backend),
-        "prompts": [{"index": i, "prompt_tokens": len(ids), "preview": preview(p)}
-                    for i, (p, ids) in enumerate(zip(prompts, encoded))],
-        "summary": summary,
-        "records": records,
-    }
-    write_outputs(results, run_dir)
-    if cfg.bench.update_card:
-        update_card(cfg, target, summary, len(prompts))
+        for method, row in summary[key].items():
+            log.info("T=%s %s: tau %s, %s tok/s", key, method, _figure(row.get("tau")), _figure(row.get("tokens_per_s")))
+        # written after every temperature: a run stopped later keeps what it measured
+        results = {
+            "config": config_summary(cfg, target, len(prompts), drafters, backend),
+            "prompts": [{"index": i, "prompt_tokens": len(ids), "preview": preview(p)}
+                        for i, (p, ids) in enumerate(zip(prompts, encoded))],
+            "summary": summary,
+            "records": records,
+        }
+        write_outputs(results, run_dir)
+        if cfg.bench.update_card:
+            update_card(cfg, target, {key: summary[key]}, len(prompts))
     return results
+
+
+def _figure(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 def resolve_run_dir(out_dir: str | Path | None = None) -> Path:
     """`out_dir` if given, else Hydra's output dir, else a new outputs/bench/<timestamp>."""
