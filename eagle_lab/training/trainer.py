@@ -29,15 +29,16 @@ from eagle_lab.head import draft_lm_head_weight
 from eagle_lab.target import load_target
 from eagle_lab.training import checkpoint as ckpt
 from eagle_lab.training.batches import ExampleSource, collate, epoch_order
-from eagle_lab.training.corpus import CorpusStore, CorpusStores, capture_split, open_corpus
-from eagle_lab.training.corpus_layout import Split, corpus_key
-from eagle_lab.training.data import build_datasets, load_conversations, tokenize_conversation
+from eagle_lab.training.corpus import CorpusStore, capture_split
+from eagle_lab.training.corpus_sources import open_corpus_sources
+from eagle_lab.training.corpus_layout import Split
+from eagle_lab.training.data import build_datasets
 from eagle_lab.training.draft_vocab import draft_vocabulary, supervised_counts
 from eagle_lab.training.engine import deepspeed_config, init_distributed, lr_lambda
 from eagle_lab.training.features import Example, features_key
 from eagle_lab.training.global_batch import global_batch_step
 from eagle_lab.training.losses import Batch, heldout_accuracy, prediction_steps
-from eagle_lab.training.regenerate import regenerated_pool, target_rewrite
+from eagle_lab.training.regenerate import target_rewrite
 from eagle_lab.training.stop import GracefulStop
 from eagle_lab.training.trainable import (check_kind, draft_vocab_size, export_trainable, new_trainable,
                                          trainable_parameters, trained_dtype)
@@ -72,25 +73,22 @@ class Recipe:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.layer_ids = self._layer_ids()
         if cfg.data.eval_conversations > 0:
-            self.train_source, self.eval_source = self._corpus_sources()
-            if cfg.trainer.capture_only:
-                return
-            if cfg.trainer.eval_only:
-                self.head = self._trained_head()
-                return
-            supervised = self.train_source.store.supervised_tokens()
+            sources = open_corpus_sources(cfg, self.target, self.layer_ids, self.rank, self._barrier, self._rewrite)
+            self.train_source, self.eval_source = sources.train, sources.eval
+            self.train_parts, self.train_conversations = sources.parts, sources.conversations
+            supervised = lambda: self.train_source.store.supervised_tokens()  # noqa: E731
         else:
-            train_rows, eval_rows, stats = build_datasets(cfg.data, self.target.tokenizer, self._rewrite())
+            train_rows, eval_rows, _ = build_datasets(cfg.data, self.target.tokenizer, self._rewrite())
             self.train_rows, self.eval_rows = train_rows, eval_rows
             self.train_source, self.eval_source = self._sources()
-            supervised = (torch.tensor(r["input_ids"])[torch.tensor(r["loss_mask"], dtype=torch.bool)]
-                          for r in train_rows)
+            supervised = lambda: (torch.tensor(r["input_ids"])[torch.tensor(r["loss_mask"], dtype=torch.bool)]  # noqa: E731
+                                  for r in train_rows)
         if cfg.trainer.capture_only:
             return
         if cfg.trainer.eval_only:
             self.head = self._trained_head()
             return
-        counts = supervised_counts(supervised, self.target.vocab_size)
+        counts = supervised_counts(supervised(), self.target.vocab_size)
         vocab_ids = draft_vocabulary(counts, cfg.head.draft_vocab_size, set(self.target.eos_token_ids))
         self._set_max_steps()
         if self.rank == 0:
@@ -134,79 +132,6 @@ class Recipe:
             tcfg.max_steps = max(1, math.ceil(tcfg.epochs * len(self.train_source) / per_step))
             log.info("trainer.epochs=%g over %d examples: max_steps=%d", tcfg.epochs, len(self.train_source),
                      tcfg.max_steps)
-
-    def _corpus_sources(self):
-        """Train on the first data.num_conversations of a shared corpus (plus, with
-        data.add_regenerated = N, the target's own replies to the first N), evaluate on its
-        held-out tail (eagle_lab.training.corpus); capture whatever of that is not on disk yet."""
-        cfg, data = self.cfg, self.cfg.data
-        conversations, stats = load_conversations(replace(data, num_conversations=0))
-        parts = [(data.regenerate.enabled, data.num_conversations)]
-        if data.add_regenerated > 0:
-            parts.append((True, data.add_regenerated))
-        opened = [self._corpus_part(conversations, stats, regenerated, count, primary=not index)
-                  for index, (regenerated, count) in enumerate(parts)]
-        evals = opened[0][1]
-        if cfg.trainer.eval_only:  # the training split is not read
-            return None, ExampleSource(self.target, None, evals, self.layer_ids)
-        if cfg.trainer.capture_only:
-            return None, None
-        train = CorpusStores([store for store, _ in opened])
-        self.train_parts = [{"replies": "target" if regenerated else "source", "conversations": store.count,
-                             "examples": len(store), "tokens": store.tokens}
-                            for (regenerated, _), (store, _) in zip(parts, opened)]
-        self.train_conversations = sum(part["conversations"] for part in self.train_parts)
-        log.info("features: %d train examples (%d tokens), %d held-out examples (%d tokens)", len(train),
-                 train.tokens, len(evals), evals.tokens)
-        return (ExampleSource(self.target, None, train, self.layer_ids),
-                ExampleSource(self.target, None, evals, self.layer_ids))
-
-    def _corpus_part(self, conversations, stats, regenerated: bool, count: int, primary: bool):
-        """One corpus of the source's conversations, with their own replies or the target's
-        (`regenerated`) -> (a store of its first `count` training conversations, or None where
-        training is not read; a store of its held-out tail for the primary corpus, else None)."""
-        cfg, data = self.cfg, self.cfg.data
-        held, rewrite = data.eval_conversations, self._rewrite(regenerated)
-        if rewrite is not None:  # the target's own replies: the pool is the part rewritten so far
-            conversations, held, count, dropped = regenerated_pool(
-                rewrite, conversations, held, count, data.regenerate.block_conversations)
-            stats.skipped["no_regenerated_reply"] = dropped
-        fingerprint = {"source": data.source, "path": data.path, "max_length": data.max_length,
-                       "eval_conversations": held, "shard_conversations": data.shard_conversations,
-                       "dtype": str(self.target.dtype), "regenerate": rewrite.directory.name if rewrite else None}
-        root = Path(cfg.trainer.features_dir) if cfg.trainer.features_dir else cache_root() / "features"
-        directory = root / corpus_key(self.target.name, fingerprint)
-        tokenize = lambda messages: tokenize_conversation(self.target.tokenizer, messages, data.max_length)  # noqa: E731
-        corpus = open_corpus(directory, fingerprint, conversations, tokenize, held, data.shard_conversations,
-                             write=self.rank == 0)
-        splits = {"train": corpus.train, "eval": corpus.eval}
-        train_counts, eval_counts = corpus.train_counts, corpus.eval_counts
-        pool = corpus.train.conversations
-        count = count or len(pool)
-        if count > len(pool):
-            what = "data.num_conversations" if primary else "data.add_regenerated"
-            raise EagleLabError(f"{what}={count}, but '{data.name}' has {len(pool)} usable "
-                                f"conversations besides the {held} held out (0 = all of them)")
-        capture_layers = self.layer_ids
-        if cfg.trainer.capture_layers == "eagle3" and not capture_layers:
-            capture_layers = eagle3_layer_ids(self.target.num_layers)
-        have = sum(splits["train"].is_complete(k, capture_layers) for k in splits["train"].shards_for(count))
-        log.info("data %s%s: %s. Corpus %s: %d conversations (%.2fM tokens at max_length %d) + %d held out "
-                 "(%.2fM tokens). Requested the first %d (%.2fM tokens): %d of %d shards on disk", data.name,
-                 " (the target's replies)" if regenerated else "", stats.summary(), directory, len(pool),
-                 sum(train_counts) / 1e6, data.max_length, held, sum(eval_counts) / 1e6, count,
-                 sum(train_counts[:count]) / 1e6, have, len(splits["train"].shards_for(count)))
-        wait = not cfg.trainer.capture_only  # a capture worker leaves others' shards to them
-        if primary:
-            capture_split(self.target, splits["eval"], held, tokenize, eval_counts, capture_layers, wait=wait)
-        if not cfg.trainer.eval_only:
-            capture_split(self.target, splits["train"], count, tokenize, train_counts, capture_layers, wait=wait)
-        self._barrier()
-        if cfg.trainer.capture_only:
-            return None, None
-        evals = CorpusStore(splits["eval"], held, self.layer_ids) if primary else None
-        train = None if cfg.trainer.eval_only else CorpusStore(splits["train"], count, self.layer_ids)
-        return train, evals
 
     def _rewrite(self, regenerated: bool | None = None):
         """Self-distillation (`data.regenerate.enabled`, or `regenerated`): the target's replies,
