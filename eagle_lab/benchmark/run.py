@@ -66,6 +66,13 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
 
     summary: dict[str, dict[str, dict[str, Any]]] = {}
     records: list[dict[str, Any]] = []
+    results = {  # summary and records fill in per temperature
+        "config": config_summary(cfg, target, len(prompts), drafters, backend),
+        "prompts": [{"index": i, "prompt_tokens": len(ids), "preview": preview(p)}
+                    for i, (p, ids) in enumerate(zip(prompts, encoded))],
+        "summary": summary,
+        "records": records,
+    }
     warmed: set[str] = set()
     for temperature in cfg.bench.temperatures:
         params = SamplingParams(temperature, cfg.top_k, cfg.top_p)
@@ -87,15 +94,7 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
         records.extend(prompt_records(runs, temperature, target.tokenizer, params.greedy))
         for method, row in summary[key].items():
             log.info("T=%s %s: tau %s, %s tok/s", key, method, _figure(row.get("tau")), _figure(row.get("tokens_per_s")))
-        # written after every temperature: a run stopped later keeps what it measured
-        results = {
-            "config": config_summary(cfg, target, len(prompts), drafters, backend),
-            "prompts": [{"index": i, "prompt_tokens": len(ids), "preview": preview(p)}
-                        for i, (p, ids) in enumerate(zip(prompts, encoded))],
-            "summary": summary,
-            "records": records,
-        }
-        write_outputs(results, run_dir)
+        write_outputs(results, run_dir)  # after every temperature: a run stopped later keeps what it measured
         if cfg.bench.update_card:
             update_card(cfg, target, {key: summary[key]}, len(prompts))
     return results
@@ -103,6 +102,7 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
 
 def _figure(value) -> str:
     return "-" if value is None else f"{value:.2f}"
+
 
 def resolve_run_dir(out_dir: str | Path | None = None) -> Path:
     """`out_dir` if given, else Hydra's output dir, else a new outputs/bench/<timestamp>."""

@@ -24,6 +24,11 @@ from eagle_lab.training.regenerate import regenerated_pool
 log = logging.getLogger(__name__)
 
 
+def features_root(trainer_cfg) -> Path:
+    """Where captured feature shards live: trainer.features_dir, else the cache."""
+    return Path(trainer_cfg.features_dir) if trainer_cfg.features_dir else cache_root() / "features"
+
+
 @dataclass
 class CorpusSources:
     """What a run reads: train is None when it does not train (eval_only, capture_only);
@@ -76,8 +81,7 @@ def _open_part(cfg, target, layer_ids, rank, barrier, rewrite, conversations, st
     fingerprint = {"source": data.source, "path": data.path, "max_length": data.max_length,
                    "eval_conversations": held, "shard_conversations": data.shard_conversations,
                    "dtype": str(target.dtype), "regenerate": rewrite.directory.name if rewrite else None}
-    root = Path(cfg.trainer.features_dir) if cfg.trainer.features_dir else cache_root() / "features"
-    directory = root / corpus_key(target.name, fingerprint)
+    directory = features_root(cfg.trainer) / corpus_key(target.name, fingerprint)
     tokenize = lambda messages: tokenize_conversation(target.tokenizer, messages, data.max_length)  # noqa: E731
     corpus = open_corpus(directory, fingerprint, conversations, tokenize, held, data.shard_conversations,
                          write=rank == 0)

@@ -23,14 +23,13 @@ from eagle_lab.card import HeadCard, write_card
 from eagle_lab.config import TrainConfig, to_object
 from eagle_lab.eagle3 import eagle3_layer_ids
 from eagle_lab.device import cpu_has_bf16, training_dtype
-from eagle_lab.embedded import cache_root
 from eagle_lab.errors import EagleLabError
 from eagle_lab.head import draft_lm_head_weight
 from eagle_lab.target import load_target
 from eagle_lab.training import checkpoint as ckpt
 from eagle_lab.training.batches import ExampleSource, collate, epoch_order
 from eagle_lab.training.corpus import CorpusStore, capture_split
-from eagle_lab.training.corpus_sources import open_corpus_sources
+from eagle_lab.training.corpus_sources import features_root, open_corpus_sources
 from eagle_lab.training.corpus_layout import Split
 from eagle_lab.training.data import build_datasets
 from eagle_lab.training.draft_vocab import draft_vocabulary, supervised_counts
@@ -172,7 +171,7 @@ class Recipe:
         if cfg.trainer.features == "online":
             return (ExampleSource(self.target, self.train_rows, None, self.layer_ids),
                     ExampleSource(self.target, self.eval_rows, None, self.layer_ids))
-        root = Path(cfg.trainer.features_dir) if cfg.trainer.features_dir else cache_root() / "features"
+        root = features_root(cfg.trainer)
         data_fp = {k: v for k, v in OmegaConf.to_container(OmegaConf.structured(cfg.data)).items() if k != "name"}
         # Shards always hold EAGLE-3's layers too: one capture then serves both head kinds.
         capture_layers = self.layer_ids or eagle3_layer_ids(self.target.num_layers)
