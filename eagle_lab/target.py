@@ -151,6 +151,10 @@ def load_target(cfg: TargetConfig) -> Target:
     model = model.to(device=device, dtype=dtype)
     log.info("target %s: %s, %d layers, hidden %d, vocab %d on %s/%s", cfg.name, model.config.model_type,
              model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size, device, dtype)
+    if dtype in (torch.bfloat16, torch.float16):
+        log.info("target in %s: a position's logits move with the number of tokens its forward scores (the dtype's "
+                 "rounding; measure it with python -m eagle_lab.benchmark.numerics dtype=...), so greedy speculative "
+                 "output can part from plain decoding's at near-ties; float32 keeps them equal", dtype)
     return Target(model, tokenizer, cfg.name, cfg.max_context)
 
 

@@ -1,0 +1,90 @@
+"""How far a target's logits move with the number of rows a forward carries:
+python -m eagle_lab.benchmark.numerics [dtype=float32|bfloat16] [tokens=32] [prompts=4] [extra=3,15]
+
+A speculative round scores a position inside a tree of N tokens; plain decoding scores it alone.
+Mathematically the logits are the same, but the kernels differ with the row count (blocking,
+accumulation order), so the floats differ by the dtype's rounding. Greedy speculative output
+equals plain greedy output only where no greedy choice is closer than that difference.
+
+Decodes each calibration prompt greedily for `tokens` steps, eagerly; at every step the next
+position is scored alone and again followed by `extra` random tokens (causal: they cannot change
+it), and it prints the largest logit difference, how many greedy choices flipped and how many
+positions had their top two logits within twice that difference (only those can flip).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from eagle_lab.errors import EagleLabError
+from eagle_lab.prompts import encode_prompt
+from eagle_lab.target import Target, TargetConfig, load_target
+from eagle_lab.tree_search.auto import CALIBRATION_PROMPTS
+
+
+@dataclass
+class ShapeNoise:
+    positions: int  # positions scored (prompts x tokens)
+    max_abs_dlogit: float  # largest |logit difference| between a position scored alone and inside more rows
+    argmax_flips: int  # positions whose greedy token changed with some row count
+    near_ties: int  # positions whose top-2 logits (scored alone) lie within 2 x max_abs_dlogit: only these can flip
+
+
+def _last_logits(target: Target, ids: torch.Tensor, position: int) -> torch.Tensor:
+    """ids: [T] -> [V] fp32 logits at `position`, from a forward over all of ids (fresh cache)."""
+    out = target.forward(ids[None], target.new_cache())
+    return target.logits(out.features[0, position]).float()
+
+
+@torch.no_grad()
+def measure_shape_noise(target: Target, prompts: list[list[int]], tokens: int, extra: tuple[int, ...],
+                        seed: int = 0) -> ShapeNoise:
+    generator = torch.Generator().manual_seed(seed)
+    worst, flips, positions, top2_gaps = 0.0, 0, 0, []  # flips: positions
+    for prompt in prompts:
+        ids = torch.tensor(prompt, device=target.device)  # [T]
+        for _ in range(tokens):
+            alone = _last_logits(target, ids, ids.numel() - 1)  # [V]
+            flipped = False
+            for k in extra:
+                tail = torch.randint(0, target.vocab_size, (k,), generator=generator).to(target.device)
+                inside = _last_logits(target, torch.cat([ids, tail]), ids.numel() - 1)
+                worst = max(worst, (inside - alone).abs().max().item())
+                flipped |= bool(inside.argmax() != alone.argmax())
+            flips += int(flipped)
+            top2 = alone.topk(2).values
+            top2_gaps.append((top2[0] - top2[1]).item())
+            positions += 1
+            ids = torch.cat([ids, alone.argmax().reshape(1)])
+    near_ties = sum(gap <= 2 * worst for gap in top2_gaps)
+    return ShapeNoise(positions=positions, max_abs_dlogit=worst, argmax_flips=flips, near_ties=near_ties)
+
+
+def main(argv: list[str]) -> None:
+    try:
+        args = dict(a.split("=", 1) for a in argv)
+    except ValueError:
+        raise SystemExit(f"arguments are key=value pairs, got {argv}") from None
+    unknown = set(args) - {"dtype", "tokens", "prompts", "extra"}
+    if unknown:
+        raise SystemExit(f"unknown argument(s) {sorted(unknown)} (dtype, tokens, prompts, extra)")
+    try:
+        target = load_target(TargetConfig(device="cpu", dtype=args.get("dtype", "float32")))
+        tokens, count = int(args.get("tokens", 32)), int(args.get("prompts", 4))
+        extra = tuple(int(k) for k in args.get("extra", "3,15").split(","))
+    except (EagleLabError, ValueError) as err:
+        raise SystemExit(f"numerics: {err}") from None
+    prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in CALIBRATION_PROMPTS[:count]]
+    noise = measure_shape_noise(target, prompts, tokens, extra)
+    print(f"| dtype | positions | max abs dlogit (alone vs +{'/+'.join(map(str, extra))} rows) | greedy flips "
+          "| positions with top-2 within 2x that |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| {target.dtype} | {noise.positions} | {noise.max_abs_dlogit:.2e} | {noise.argmax_flips} "
+          f"| {noise.near_ties} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
