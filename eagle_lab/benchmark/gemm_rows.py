@@ -11,12 +11,14 @@ cost grows with the rows.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 from torch import nn
 
 from eagle_lab.decoding.compiled import CPU_OPTIONS, inductor_cache_dir, inductor_settings
+from eagle_lab.device import resolve_dtype
+from eagle_lab.errors import EagleLabError
+from eagle_lab.tree_search.costs import timed
 
 SHAPES = [(576, 576)] * 2 + [(192, 576)] * 2 + [(1536, 576)] * 2 + [(576, 1536)]  # (out, in): q o k v gate up down
 
@@ -31,21 +33,12 @@ class LinearStack(nn.Module):
         return [lin(x_mlp if lin.in_features == 1536 else x_hidden) for lin in self.linears]
 
 
-def median_ms(fn, reps: int = 9) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[reps // 2] * 1000
-
-
 @torch.no_grad()
 def measure(dtype: torch.dtype, rows: int, layers: int, compile: bool) -> tuple[float, float | None]:
     """-> (eager ms, compiled ms or None) for one pass over the stack with `rows` rows."""
     stack = LinearStack(layers).eval().to(dtype)
     x_hidden, x_mlp = torch.randn(rows, 576, dtype=dtype), torch.randn(rows, 1536, dtype=dtype)
-    eager = median_ms(lambda: stack(x_hidden, x_mlp))
+    eager = timed(lambda: stack(x_hidden, x_mlp), reps=9)
     if not compile:
         return eager, None
     torch._dynamo.reset()
@@ -53,7 +46,7 @@ def measure(dtype: torch.dtype, rows: int, layers: int, compile: bool) -> tuple[
     with inductor_settings(CPU_OPTIONS):
         compiled = torch.compile(stack, dynamic=False)
         compiled(x_hidden, x_mlp)
-        return eager, median_ms(lambda: compiled(x_hidden, x_mlp))
+        return eager, timed(lambda: compiled(x_hidden, x_mlp), reps=9)
 
 
 def main(argv: list[str]) -> None:
@@ -62,13 +55,12 @@ def main(argv: list[str]) -> None:
         unknown = set(args) - {"dtypes", "rows", "layers", "compile"}
         if unknown:
             raise ValueError(f"unknown argument(s) {sorted(unknown)} (dtypes, rows, layers, compile)")
-        dtypes = [getattr(torch, name) for name in args.get("dtypes", "float32,bfloat16").split(",")]
-        if any(not isinstance(d, torch.dtype) for d in dtypes):
-            raise ValueError(f"dtypes must name torch dtypes, got {args['dtypes']}")
+        cpu = torch.device("cpu")
+        dtypes = [resolve_dtype(name, cpu) for name in args.get("dtypes", "float32,bfloat16").split(",")]
         row_counts = [int(r) for r in args.get("rows", "1,4,8,16").split(",")]
         layers = int(args.get("layers", 30))
         compile = args.get("compile", "true") == "true"
-    except (ValueError, AttributeError) as err:
+    except (ValueError, EagleLabError) as err:
         raise SystemExit(f"gemm_rows: {err}") from None
     print(f"| dtype | rows | eager ms | compiled ms | ({layers} layers x {len(SHAPES)} linears, "
           f"{torch.get_num_threads()} threads)")
