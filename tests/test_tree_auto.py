@@ -243,3 +243,28 @@ def test_a_bucketed_backend_is_timed_at_every_size(tiny_llama):
     costs = measure_target_costs(tiny_llama, 16, backend=StaticBackend(tiny_llama, [4, 8], 64))
     assert sorted(costs) == list(range(1, 9))
     assert all(ms > 0 for ms in costs.values())
+
+
+def test_no_loop_timing_when_the_model_ranks_plain_first(tiny_llama, tmp_path, monkeypatch):
+    """Timing in the loop only overrules rows the model rates too high: when plain decoding tops
+    the model's ranking, nothing is decoded and plain decoding is kept, marked as not timed."""
+    import eagle_lab.tree_search.validate as tree_validate
+    from eagle_lab.tree_search.auto import validated
+
+    def no_timings(*args, **kwargs):
+        raise AssertionError("decoded in the loop although the model ranks plain decoding first")
+
+    monkeypatch.setattr(tree_validate, "decode_timings", no_timings)
+    costs = CostModel({1: 10.0, 2: 20.0}, {1: 1.0}, 1.0, 0.0, 0.0, plain_ms=10.0)
+    ranked = [{"shape": {"depth": 0, "topk": 0, "total_tokens": 0}, "tau": 1.0, "tokens_per_s": 100.0, "round_ms": 10.0},
+              {"shape": {"depth": 1, "topk": 1, "total_tokens": 1}, "tau": 1.4, "tokens_per_s": 66.7, "round_ms": 21.0}]
+    drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(4, 4, 12))
+    summary, path = {}, tmp_path / "calibration.json"
+    rows = validated(tiny_llama, drafter, summary, path, ranked, costs, TreeShape(0, 0, 0), [[1, 2, 3]],
+                     TreeSearchConfig(), None)
+    assert [r["shape"]["depth"] for r in rows] == [0] and rows[0]["timed"] is False
+    assert json.loads(path.read_text())["validated"]["d0-k0-n0"] == rows  # cached like a timed ranking
+    assert tree_validate.measured_best(rows, 1.2) is rows[0]
+    ranked[0], ranked[1] = ranked[1], ranked[0]  # a tree on top: it must be timed
+    with pytest.raises(AssertionError, match="decoded in the loop"):
+        validated(tiny_llama, drafter, {}, path, ranked, costs, TreeShape(0, 0, 0), [[1, 2, 3]], TreeSearchConfig(), None)

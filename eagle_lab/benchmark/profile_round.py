@@ -1,11 +1,13 @@
 """Where a speculative round's time goes:
-python -m eagle_lab.benchmark.profile_round [tokens=96] [depth=4 topk=4 total=12] [compile=true|false]
+python -m eagle_lab.benchmark.profile_round [tokens=96] [depth=4 topk=4 total=12] [compile=true|false] [ops=true]
 
 Decodes one calibration prompt greedily on the embedded target with its packaged head (a
 random head if none), plain and speculative, on the same backend, and prints per round: the
 drafting, the scoring forward (target and LM head: one graph when compiled), verification,
 the commit (cache compaction) and everything else, beside one plain step. The phases come
-from the round's observer hook (eagle_lab/decoding/round.py); nothing is patched.
+from the round's observer hook (eagle_lab/decoding/round.py); nothing is patched. With ops=true,
+torch's profiler then runs the plain and the speculative decode once more and prints each one's
+operators by their own CPU time (a compiled graph shows as one entry).
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ def main(argv: list[str]) -> None:
     print(f"| plain step (same backend, prefill included in the mean) | {plain_ms:.1f} |")
     print(f"round = {round_ms / plain_ms:.2f} plain steps; {1000 * result.stats.new_tokens / (1000 * total):.1f} tok/s "
           f"against {1000 / plain_ms:.1f} plain")
+    if args.get("ops", "false").lower() == "true":
+        for name, run in (("plain", plain), ("speculative", speculative)):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                run()
+            print(f"\n{name} decode, operators by self CPU time:")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 if __name__ == "__main__":

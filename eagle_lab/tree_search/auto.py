@@ -45,7 +45,7 @@ from eagle_lab.tree_search.costs import (K_GRID, CostModel, largest_tree, measur
                                          timed_ngram_rounds, timed_rounds)
 from eagle_lab.tree_search.space import TreeSearchConfig
 from eagle_lab.tree_search.replay import ngram_lengths, record, replay_all
-from eagle_lab.tree_search.validate import VALIDATE_TOP, is_plain, measured_best, validate
+from eagle_lab.tree_search.validate import VALIDATE_TOP, is_plain, measured_best, untimed, validate
 
 log = logging.getLogger(__name__)
 CALIBRATION_PROMPTS = (
@@ -187,6 +187,13 @@ def validated(target: Target, drafter: EagleDrafter, summary: dict, path: Path, 
     once and added to it."""
     key = f"d{fixed.depth}-k{fixed.topk}-n{fixed.total_tokens}"
     done = summary.setdefault("validated", {})
+    if key not in done and is_plain(ranked[0]):
+        drafting = next((r for r in ranked if not is_plain(r)), None)
+        log.info("tree=auto [last step]: skipped: the cost model prices decoding without drafts first (%.1f tok/s; "
+                 "its best drafting row %s), and timing in the loop only overrules rows the model rates too high",
+                 ranked[0]["tokens_per_s"], f"{drafting['tokens_per_s']:.1f} tok/s" if drafting else "none")
+        done[key] = [untimed(ranked[0])]
+        path.write_text(json.dumps(summary, indent=2))
     if key not in done:
         prompts = prompts if prompts is not None else calibration_prompts(target)
         log.info("tree=auto [last step]: timing the model's %d best shapes against plain decoding in the loop "
@@ -222,14 +229,18 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
                  plain["measured_tokens_per_s"])
     first = next(r for r in measured if r["shape"] == ranked[0]["shape"]
                  and r.get("ngram_tokens", 0) == ranked[0].get("ngram_tokens", 0))
-    log.info("tree=auto chose depth=%d topk=%d total_tokens=%d%s: %.1f tok/s timed in the loop (tau %.2f; model: "
-             "%.1f tok/s; the model's first choice timed %.1f)%s (costs: %s)",
-             chosen.depth, chosen.topk, chosen.total_tokens,
-             f" + n-gram chains of {chain} tokens" if chain else " (no n-gram branches)" if ngram else "",
-             best["measured_tokens_per_s"], best.get("measured_tau", best["tau"]),
-             best.get("tokens_per_s", best["measured_tokens_per_s"]), first["measured_tokens_per_s"],
-             f" vs {plain['measured_tokens_per_s']:.1f} tok/s without drafting, timed beside it" if plain else "",
-             path)
+    if best.get("timed", True) is False:
+        log.info("tree=auto chose depth=0 (no drafts): %.1f tok/s by the cost model, ahead of every tree it priced "
+                 "(costs: %s)", best["tokens_per_s"], path)
+    else:
+        log.info("tree=auto chose depth=%d topk=%d total_tokens=%d%s: %.1f tok/s timed in the loop (tau %.2f; model: "
+                 "%.1f tok/s; the model's first choice timed %.1f)%s (costs: %s)",
+                 chosen.depth, chosen.topk, chosen.total_tokens,
+                 f" + n-gram chains of {chain} tokens" if chain else " (no n-gram branches)" if ngram else "",
+                 best["measured_tokens_per_s"], best.get("measured_tau", best["tau"]),
+                 best.get("tokens_per_s", best["measured_tokens_per_s"]), first["measured_tokens_per_s"],
+                 f" vs {plain['measured_tokens_per_s']:.1f} tok/s without drafting, timed beside it" if plain else "",
+                 path)
     drafter.ngram = replace(ngram, max_tokens=chain) if ngram is not None and chain else None
     if chosen.depth == 0 and chain:
         log.info("tree=auto: n-gram drafting alone (no head run) is fastest here")
