@@ -74,17 +74,22 @@ def build_decoder(method: str, target: Target, drafter: Drafter | None, prompt_i
 
 
 def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
-                  ngram: NgramProposer | None = None, backend: Backend | None = None) -> EagleDrafter:
+                  ngram: NgramProposer | None = None, backend: Backend | None = None,
+                  planned_tokens: int | None = None) -> EagleDrafter:
     """A drafter with a fixed tree, or with the shape tree=auto measures for this device.
 
     ngram: merge n-gram branches into every tree (hybrid drafting); under tree=auto its chain
     length is searched too (up to ngram.max_tokens), and it may be switched off or used alone.
+    planned_tokens: what this run will decode (None: open-ended); below tree.quick_below_tokens an
+    uncalibrated device is calibrated quickly.
     """
     fixed = TreeShape(tree.depth, tree.topk, tree.total_tokens)
     for key, gain in (("min_gain", tree.min_gain), ("batch_min_gain", tree.batch_min_gain)):
         if gain < 1.0:
             raise EagleLabError(f"tree.{key} must be >= 1 (how much faster than plain decoding a tree must time "
                                 f"to be used); got {gain}")
+    if tree.quick_below_tokens < 0:
+        raise EagleLabError(f"tree.quick_below_tokens must be >= 0, got {tree.quick_below_tokens}")
     if not tree.auto:
         if not (tree.depth and tree.topk and tree.total_tokens):
             raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")
@@ -93,7 +98,8 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
             drafter.max_tree_tokens = max(max(backend.buckets), tree.total_tokens + 1)
         return drafter
     drafter = eagle_drafter(head, target, TreeShape(4, 4, 12), ngram, backend)
-    auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend)
+    quick = planned_tokens is not None and planned_tokens < tree.quick_below_tokens
+    auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend, quick=quick)
     return drafter
 
 
@@ -113,12 +119,14 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def make_drafter(cfg: ServeConfig, target: Target, backend: Backend | None = None) -> Drafter | None:
+def make_drafter(cfg: ServeConfig, target: Target, backend: Backend | None = None,
+                 planned_tokens: int | None = None) -> Drafter | None:
     """method=eagle: the head's tree (plus n-gram branches when ngram.enabled); method=ngram: n-gram
-    drafting alone, no head; method=draft_model: a small LM's tree; method=vanilla: none."""
+    drafting alone, no head; method=draft_model: a small LM's tree; method=vanilla: none.
+    planned_tokens: what this run will decode (None: open-ended)."""
     if cfg.method == "eagle":
         proposer = ngram_proposer(cfg.ngram) if cfg.ngram.enabled else None
-        return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer, backend)
+        return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer, backend, planned_tokens)
     if cfg.method == "ngram":
         return NgramDrafter(ngram_proposer(cfg.ngram))
     if cfg.method == "draft_model":

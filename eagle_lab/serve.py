@@ -63,9 +63,10 @@ def run(raw: DictConfig) -> None:
     prompts = gather_prompts(cfg)
     target = load_target(cfg.target)
     encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]  # checked before any work
-    backend = build_backend(target, cfg.compile, cfg.decoding, planned_tokens=len(encoded) * cfg.max_new_tokens,
+    planned = len(encoded) * cfg.max_new_tokens
+    backend = build_backend(target, cfg.compile, cfg.decoding, planned_tokens=planned,
                             longest_prompt=max(len(ids) for ids in encoded), max_new_tokens=cfg.max_new_tokens)
-    drafter = make_drafter(cfg, target, backend)
+    drafter = make_drafter(cfg, target, backend, planned)
     eos = set() if cfg.ignore_eos else target.eos_token_ids
     for index, ids in enumerate(encoded):
         generator = make_generator(cfg.seed, target.device)

@@ -268,3 +268,54 @@ def test_no_loop_timing_when_the_model_ranks_plain_first(tiny_llama, tmp_path, m
     ranked[0], ranked[1] = ranked[1], ranked[0]  # a tree on top: it must be timed
     with pytest.raises(AssertionError, match="decoded in the loop"):
         validated(tiny_llama, drafter, {}, path, ranked, costs, TreeShape(0, 0, 0), [[1, 2, 3]], TreeSearchConfig(), None)
+
+
+def test_a_quick_calibration_is_replaced_by_a_full_one(tiny_llama, tmp_path, monkeypatch):
+    """A short run calibrates quickly (no n-gram or loop timing, ranked by the model); a later full
+    run measures again and its calibration then serves short runs too."""
+    import eagle_lab.tree_search.auto as tree_auto
+    import eagle_lab.tree_search.validate as tree_validate
+
+    proposer = NgramProposer(max_tokens=2, min_match=2, max_match=3)
+    drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(4, 4, 12))
+    search = TreeSearchConfig(depths=[1, 2], topks=[1, 2], totals=[1, 2, 4], record_shape=(2, 2, 4),
+                              probe_shape=(1, 2, 2), new_tokens=12, context=32)
+    prompts = [[5, 6, 7, 8] * 5, list(range(70, 85))]
+    calls = {"calibrate": 0, "timings": 0, "timed_prompts": []}
+    real_calibrate, real_timings, real_rounds = tree_auto.calibrate, tree_validate.decode_timings, tree_auto.timed_rounds
+
+    def counted_calibrate(*args, **kwargs):
+        calls["calibrate"] += 1
+        return real_calibrate(*args, **kwargs)
+
+    def counted_timings(*args, **kwargs):
+        calls["timings"] += 1
+        return real_timings(*args, **kwargs)
+
+    def counted_rounds(target, drafter, prompts, *args, **kwargs):
+        calls["timed_prompts"].append(len(prompts))
+        return real_rounds(target, drafter, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(tree_auto, "calibrate", counted_calibrate)
+    monkeypatch.setattr(tree_validate, "decode_timings", counted_timings)
+    monkeypatch.setattr(tree_auto, "timed_rounds", counted_rounds)
+    drafter.ngram = proposer  # auto_tree replaces it with the chosen chain (or none)
+    auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path, quick=True)
+    [path] = tmp_path.glob("*.json")
+    summary = json.loads(path.read_text())
+    assert summary["quick"] and summary["cost_model"]["ngram_round_ms"] is None
+    assert calls == {"calibrate": 1, "timings": 0, "timed_prompts": [1, 1]}  # one prompt per timed shape
+    assert [r["timed"] for r in summary["validated"]["d0-k0-n0"]] == [False]
+    drafter.ngram = proposer  # auto_tree replaces it with the chosen chain (or none)
+    auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path, quick=True)
+    assert calls["calibrate"] == 1  # the quick one serves short runs
+    drafter.ngram = proposer  # auto_tree replaces it with the chosen chain (or none)
+    auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path)
+    summary = json.loads(path.read_text())
+    assert calls["calibrate"] == 2 and not summary["quick"] and calls["timed_prompts"][2:] == [2, 2]
+    rows = summary["validated"]["d0-k0-n0"]
+    timed_in_loop = all(r.get("timed", True) for r in rows)  # untimed only where the model ranked plain first
+    assert calls["timings"] == int(timed_in_loop) and (timed_in_loop or len(rows) == 1)
+    drafter.ngram = proposer  # auto_tree replaces it with the chosen chain (or none)
+    auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path, quick=True)
+    assert calls["calibrate"] == 2  # the full one serves short runs too

@@ -18,6 +18,10 @@ much as one, on a 2-core CPU several times more. So:
 same loop with the head switched off), not by a model. The per-round overhead of tree rounds
 (verification, cache compaction, bookkeeping) is fitted as a line in the tree size through
 two timed shapes, the recording's and a small probe.
+A quick calibration, for a short run on a device not yet calibrated (`tree.quick_below_tokens`),
+stops after the cost curve, the recording and the two timed shapes (on one prompt), and ranks
+by the model alone: about a minute on a 2-core CPU instead of four; the next long run (a bench,
+the server, a long prompts file) replaces it with the full calibration.
 The result is cached per target, head, device and dtype. Fixed `tree.depth/topk/total_tokens`
 values (non-zero) are kept; only the free ones are searched.
 
@@ -108,11 +112,12 @@ def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig
 
 
 def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], search: TreeSearchConfig,
-              ngram: NgramProposer | None = None, backend=None) -> dict:
+              ngram: NgramProposer | None = None, backend=None, quick: bool = False) -> dict:
     """Measure costs and record acceptance; returns the cacheable summary.
     The drafter must have no n-gram proposer attached (every timing is of the head's trees);
-    ngram: record its chains and replay them too."""
-    steps = 6 if ngram is not None else 5
+    ngram: record its chains and replay them too. quick: the two shapes that fit the overhead are
+    timed on the first prompt only, and n-gram-only rounds are priced by the model."""
+    steps = 4 if quick else 6 if ngram is not None else 5
     log.info("tree=auto [1/%d]: timing the target's forward for 1-%d scored tokens", steps,
              largest_tree(backend, max(K_GRID)))
     target_ms = measure_target_costs(target, search.context, backend=backend)
@@ -127,28 +132,30 @@ def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], s
         recording, big_ms = record(target, drafter, prompts, search.new_tokens, ngram, backend)
     finally:
         drafter.shape = saved
-    log.info("tree=auto [4/%d]: timing a small tree and the no-draft path", steps)
-    small_ms = timed_rounds(target, drafter, prompts, search.new_tokens, small, backend)
-    plain_ms = timed_rounds(target, drafter, prompts, search.new_tokens, TreeShape(0, 0, 0), backend)
+    timing_prompts = prompts[:1] if quick else prompts  # a median over rounds: one prompt gives dozens
+    log.info("tree=auto [4/%d]: timing a small tree and the no-draft path%s", steps, " (one prompt)" if quick else "")
+    small_ms = timed_rounds(target, drafter, timing_prompts, search.new_tokens, small, backend)
+    plain_ms = timed_rounds(target, drafter, timing_prompts, search.new_tokens, TreeShape(0, 0, 0), backend)
     models = CostModel(target_ms, level_ms, first_ms, 0.0)
     # overhead = measured - modelled, as a line in the tree size through the two timed shapes
     extra_big, extra_small = big_ms - models.model_ms(big), small_ms - models.model_ms(small)
     slope = max((extra_big - extra_small) / max(big.total_tokens - small.total_tokens, 1), 0.0)
     intercept = max(extra_small - slope * small.total_tokens, 0.0)
     costs = CostModel(target_ms, level_ms, first_ms, intercept, slope, plain_ms, recording.ngram_ms)
-    if ngram is not None:
+    if ngram is not None and not quick:
         log.info("tree=auto [5/%d]: timing n-gram-only rounds", steps)
         costs.ngram_round_ms = timed_ngram_rounds(target, drafter, prompts, search.new_tokens, ngram, costs, backend)
     return {"cost_model": asdict(costs), "rounds": len(recording.rounds),
             "shapes": replay_all(recording, search, ngram_lengths(ngram)),
-            "measured_round_ms": {"record": big_ms, "probe": small_ms, "no_draft": plain_ms}}
+            "measured_round_ms": {"record": big_ms, "probe": small_ms, "no_draft": plain_ms}, "quick": quick}
 
 
 def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
                 search: TreeSearchConfig | None = None, cache_dir: Path | None = None,
-                backend=None) -> tuple[dict, CostModel, Path]:
+                backend=None, quick: bool = False) -> tuple[dict, CostModel, Path]:
     """The measured summary (shapes with their tau, costs) for this target, head and device:
-    read from the cache, else measured once and cached. Returns (summary, cost model, cache file)."""
+    read from the cache, else measured once and cached. Returns (summary, cost model, cache file).
+    quick: a quick calibration will do; a cached quick one is measured again in full otherwise."""
     search = search or TreeSearchConfig()
     for name, values in (("depth", search.depths), ("topk", search.topks), ("total_tokens", search.totals)):
         if getattr(fixed, name) and getattr(fixed, name) not in values:
@@ -156,15 +163,21 @@ def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts
     cache_dir = cache_dir or cache_root() / "tree_auto"
     ngram = drafter.ngram
     path = cache_dir / f"{target.name}-{_fingerprint(target, drafter, search, ngram, backend)}.json"
-    if path.is_file():
-        summary = json.loads(path.read_text())
-    else:
-        log.info("tree=auto: measuring costs and acceptance on %s, once (about 3 min on a 2-core CPU, longer when "
-                 "it compiles); cached in %s", target.device, path)
+    summary = json.loads(path.read_text()) if path.is_file() else None
+    if summary is not None and summary.get("quick") and not quick:
+        log.info("tree=auto: the cached calibration is a quick one; this run calibrates in full")
+        summary = None
+    if summary is None:
+        if quick:
+            log.info("tree=auto: a quick calibration on %s for this short run (about a minute on a 2-core CPU; "
+                     "a longer run calibrates in full); cached in %s", target.device, path)
+        else:
+            log.info("tree=auto: measuring costs and acceptance on %s, once (about 4 min on a 2-core CPU, longer "
+                     "when it compiles); cached in %s", target.device, path)
         prompts = prompts if prompts is not None else calibration_prompts(target)
         drafter.ngram = None  # calibrate times the head's trees alone; chains are recorded beside them
         try:
-            summary = calibrate(target, drafter, prompts, search, ngram, backend)
+            summary = calibrate(target, drafter, prompts, search, ngram, backend, quick)
         finally:
             drafter.ngram = ngram
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -187,6 +200,10 @@ def validated(target: Target, drafter: EagleDrafter, summary: dict, path: Path, 
     once and added to it."""
     key = f"d{fixed.depth}-k{fixed.topk}-n{fixed.total_tokens}"
     done = summary.setdefault("validated", {})
+    if key not in done and summary.get("quick"):
+        log.info("tree=auto: quick calibration, so the model's ranking decides (no timing in the loop)")
+        done[key] = [untimed(ranked[0])]
+        path.write_text(json.dumps(summary, indent=2))
     if key not in done and is_plain(ranked[0]):
         drafting = next((r for r in ranked if not is_plain(r)), None)
         log.info("tree=auto [last step]: skipped: the cost model prices decoding without drafts first (%.1f tok/s; "
@@ -205,10 +222,11 @@ def validated(target: Target, drafter: EagleDrafter, summary: dict, path: Path, 
 
 def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
               search: TreeSearchConfig | None = None, cache_dir: Path | None = None,
-              min_gain: float = 1.0, backend=None) -> TreeShape:
+              min_gain: float = 1.0, backend=None, quick: bool = False) -> TreeShape:
     """The fastest shape for this target, head and device (measured once, cached); sets it
     on the drafter. fixed: non-zero fields are kept as given. min_gain: a tree must beat plain
-    decoding's timed tokens/s by this factor (validate.measured_best).
+    decoding's timed tokens/s by this factor (validate.measured_best). quick: a quick calibration
+    will do when none is cached (a short run).
 
     With an n-gram proposer on the drafter (hybrid drafting), its chain length is chosen too
     (up to its max_tokens): the drafter's proposer is replaced by one with the chosen length,
@@ -217,7 +235,7 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
     search = fit_search(search or TreeSearchConfig(), backend)
     if backend is not None and getattr(backend, "buckets", None):
         drafter.max_tree_tokens = max(backend.buckets)  # n-gram chains cut to fit the largest compiled size
-    summary, costs, path = calibration(target, drafter, fixed, prompts, search, cache_dir, backend)
+    summary, costs, path = calibration(target, drafter, fixed, prompts, search, cache_dir, backend, quick)
     _, ranked = choose(summary["shapes"], costs, fixed)
     measured = validated(target, drafter, summary, path, ranked, costs, fixed, prompts, search, ngram, backend)
     best = measured_best(measured, min_gain)
@@ -230,8 +248,10 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
     first = next(r for r in measured if r["shape"] == ranked[0]["shape"]
                  and r.get("ngram_tokens", 0) == ranked[0].get("ngram_tokens", 0))
     if best.get("timed", True) is False:
-        log.info("tree=auto chose depth=0 (no drafts): %.1f tok/s by the cost model, ahead of every tree it priced "
-                 "(costs: %s)", best["tokens_per_s"], path)
+        log.info("tree=auto chose depth=%d topk=%d total_tokens=%d%s by the cost model: %.1f tok/s (tau %.2f on the "
+                 "calibration prompts), %.1f tok/s without drafting (costs: %s)", chosen.depth, chosen.topk,
+                 chosen.total_tokens, f" + n-gram chains of {chain} tokens" if chain else "",
+                 best["tokens_per_s"], best["tau"], 1000 / costs.round_ms(TreeShape(0, 0, 0)), path)
     else:
         log.info("tree=auto chose depth=%d topk=%d total_tokens=%d%s: %.1f tok/s timed in the loop (tau %.2f; model: "
                  "%.1f tok/s; the model's first choice timed %.1f)%s (costs: %s)",
