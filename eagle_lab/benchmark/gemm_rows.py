@@ -15,6 +15,7 @@ import sys
 import torch
 from torch import nn
 
+from eagle_lab.benchmark.tool_args import key_values
 from eagle_lab.decoding.compiled import CPU_OPTIONS, inductor_cache_dir, inductor_settings
 from eagle_lab.device import resolve_dtype
 from eagle_lab.errors import EagleLabError
@@ -50,11 +51,8 @@ def measure(dtype: torch.dtype, rows: int, layers: int, compile: bool) -> tuple[
 
 
 def main(argv: list[str]) -> None:
+    args = key_values("gemm_rows", argv, ("dtypes", "rows", "layers", "compile"))
     try:
-        args = dict(a.split("=", 1) for a in argv)
-        unknown = set(args) - {"dtypes", "rows", "layers", "compile"}
-        if unknown:
-            raise ValueError(f"unknown argument(s) {sorted(unknown)} (dtypes, rows, layers, compile)")
         cpu = torch.device("cpu")
         dtypes = [resolve_dtype(name, cpu) for name in args.get("dtypes", "float32,bfloat16").split(",")]
         row_counts = [int(r) for r in args.get("rows", "1,4,8,16").split(",")]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle_lab.benchmark.tool_args import key_values
 from eagle_lab.errors import EagleLabError
 from eagle_lab.prompts import encode_prompt
 from eagle_lab.target import Target, TargetConfig, load_target
@@ -64,13 +65,7 @@ def measure_shape_noise(target: Target, prompts: list[list[int]], tokens: int, e
 
 
 def main(argv: list[str]) -> None:
-    try:
-        args = dict(a.split("=", 1) for a in argv)
-    except ValueError:
-        raise SystemExit(f"arguments are key=value pairs, got {argv}") from None
-    unknown = set(args) - {"dtype", "tokens", "prompts", "extra"}
-    if unknown:
-        raise SystemExit(f"unknown argument(s) {sorted(unknown)} (dtype, tokens, prompts, extra)")
+    args = key_values("numerics", argv, ("dtype", "tokens", "prompts", "extra"))
     try:
         target = load_target(TargetConfig(device="cpu", dtype=args.get("dtype", "float32")))
         tokens, count = int(args.get("tokens", 32)), int(args.get("prompts", 4))

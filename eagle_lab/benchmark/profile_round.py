@@ -20,8 +20,10 @@ import torch
 
 from eagle_lab.builders import build_head, eagle_drafter
 from eagle_lab.config import HeadConfig
-from eagle_lab.decoding.backend import DecodingConfig, build_backend
+from eagle_lab.benchmark.tool_args import key_values
+from eagle_lab.decoding.backend import DecodingConfig, build_backend, compile_choice
 from eagle_lab.draft import TreeShape
+from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.prompts import encode_prompt
 from eagle_lab.sampling import SamplingParams
@@ -43,13 +45,17 @@ class PhaseTimes:
 
 
 def main(argv: list[str]) -> None:
-    args = dict(a.split("=", 1) for a in argv)
+    args = key_values("profile_round", argv, ("tokens", "depth", "topk", "total", "compile", "ops"))
+    try:
+        shape = TreeShape(int(args.get("depth", 4)), int(args.get("topk", 4)), int(args.get("total", 12)))
+        tokens = int(args.get("tokens", 96))
+        compile_choice(args.get("compile", "true"))
+    except (ValueError, EagleLabError) as err:
+        raise SystemExit(f"profile_round: {err}") from None
     target = load_target(TargetConfig(device="cpu"))
     backend = build_backend(target, args.get("compile", "true"), DecodingConfig())
-    shape = TreeShape(int(args.get("depth", 4)), int(args.get("topk", 4)), int(args.get("total", 12)))
     drafter = eagle_drafter(build_head(HeadConfig(), target), target, shape, None, backend)  # compiles with the target
     prompt = torch.tensor(encode_prompt(target.tokenizer, CALIBRATION_PROMPTS[0], chat=True))
-    tokens = int(args.get("tokens", 96))
 
     def plain():
         return generate(vanilla_decode(target, prompt, SamplingParams(), Stopper(target.tokenizer, tokens, set()),
