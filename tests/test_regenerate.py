@@ -277,3 +277,17 @@ def test_samples_answer_each_training_conversation_several_times(tiny_llama, tmp
     assert once != twice
     with pytest.raises(EagleLabError, match="samples must be >= 1, and > 1 only with temperature > 0"):
         RegenerateConfig(**{**settings, "temperature": 0.0}, samples=2).validate()
+
+
+@pytest.mark.parametrize("rows", [0, 2])  # Hugging Face generate; static rows
+def test_each_reply_is_reported_as_it_ends(tiny_llama, rows, tmp_path):
+    """Progress inside a group of chunks: on_reply hears every reply's token count, and they add up
+    to what the writer counts."""
+    writer = writer_for(tiny_llama, batch_size=3, rows=rows)
+    heard = []
+    writer.on_reply = heard.append
+    prompts = [writer.prompt_ids(c[:1]) for c in CONVERSATIONS]
+    writer.replies(prompts, seeds=[0, 1, 2])
+    assert len(heard) == 3 and sum(heard) == writer.generated_tokens > 0
+    rewritten = regenerate_conversations(writer_for(tiny_llama, batch_size=2, rows=rows), CONVERSATIONS, tmp_path)
+    assert len(rewritten) == 3 and all(c is not None for c in rewritten)  # with the live progress line on

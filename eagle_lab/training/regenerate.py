@@ -144,6 +144,7 @@ class ReplyWriter:
         self.max_length, self.autocast, self.rows = max_length, autocast, rows
         self.eos_ids = target.eos_token_ids
         self.generated_tokens = 0  # reply tokens written so far (progress lines)
+        self.on_reply: Callable[[int], None] | None = None  # told each reply's token count as it ends (progress)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def prompt_ids(self, history: Messages) -> list[int]:
@@ -155,11 +156,16 @@ class ReplyWriter:
         token rather than at max_new_tokens or at `max_length` tokens of prompt plus reply."""
         if self.rows is not None:
             params = SamplingParams(self.cfg.temperature, 0, self.cfg.top_p)
+            told = None if self.on_reply is None else (lambda index, reply: self.on_reply(len(reply.token_ids)))
             with grouped_query_sdpa():
-                out = generate_on_rows(self.rows, prompts, params, self.cfg.max_new_tokens, self.eos_ids, seeds)
+                out = generate_on_rows(self.rows, prompts, params, self.cfg.max_new_tokens, self.eos_ids, seeds,
+                                       on_reply=told)
             replies = [(reply.token_ids, reply.finished) for reply in out]
         else:
             replies = self._generated(prompts, seeds[0])
+            if self.on_reply is not None:
+                for reply, _ in replies:
+                    self.on_reply(len(reply))
         results = []
         for reply, finished in replies:
             self.generated_tokens += len(reply)
@@ -295,6 +301,11 @@ def regenerate_conversations(
     progress = RegenerateProgress(sum(len(chunks[c]) for c in todo), len(todo))
     with tqdm(total=progress.conversations, desc="regenerate", unit="conv",
               disable=rank != 0 or not todo) as bar:
+        def replied(tokens: int) -> None:  # a group of chunks takes minutes: show each reply as it ends
+            progress.reply(tokens)
+            bar.set_postfix_str(progress.live(), refresh=True)
+
+        writer.on_reply = replied
         group = cfg.group_chunks if writer.rows is not None else 1
         for first in range(0, len(todo), group):
             ids = todo[first:first + group]
@@ -341,12 +352,25 @@ class RegenerateProgress:
     def __init__(self, conversations: int, chunks: int):
         self.conversations, self.chunks = conversations, chunks
         self.done_conversations = self.done_chunks = self.tokens = 0
+        self.live_replies = self.live_tokens = 0
         self.start = time.perf_counter()
 
     def add(self, conversations: int, tokens: int, chunks: int = 1) -> None:
         self.done_conversations += conversations
         self.done_chunks += chunks
         self.tokens += tokens
+        self.live_replies = self.live_tokens = 0  # now counted in the totals
+
+    def reply(self, tokens: int) -> None:
+        """One reply of the group in progress ended, with `tokens` tokens."""
+        self.live_replies += 1
+        self.live_tokens += tokens
+
+    def live(self) -> str:
+        """The group in progress: replies ended so far, and reply tok/s since the start."""
+        elapsed = time.perf_counter() - self.start
+        return (f"{self.live_replies} replies in this group, "
+                f"{(self.tokens + self.live_tokens) / max(elapsed, 1e-9):.1f} reply tok/s")
 
     def line(self) -> str:
         elapsed = time.perf_counter() - self.start
