@@ -196,27 +196,28 @@ def calibration_prompts(target: Target) -> list[list[int]]:
 def validated(target: Target, drafter: EagleDrafter, summary: dict, path: Path, ranked: list[dict], costs: CostModel,
               fixed: TreeShape, prompts: list[list[int]] | None, search: TreeSearchConfig,
               ngram: NgramProposer | None, backend=None) -> list[dict]:
-    """validate()'s ranking for these fixed fields: read from the calibration file, else timed
-    once and added to it."""
+    """validate()'s ranking for these fixed fields: read from the calibration file, else timed once
+    and added to it; after a quick calibration, or when the model ranks plain decoding first, the
+    model's first row stands untimed."""
     key = f"d{fixed.depth}-k{fixed.topk}-n{fixed.total_tokens}"
     done = summary.setdefault("validated", {})
-    if key not in done and summary.get("quick"):
+    if key in done:
+        return done[key]
+    if summary.get("quick"):
         log.info("tree=auto: quick calibration, so the model's ranking decides (no timing in the loop)")
         done[key] = [untimed(ranked[0])]
-        path.write_text(json.dumps(summary, indent=2))
-    if key not in done and is_plain(ranked[0]):
+    elif is_plain(ranked[0]):
         drafting = next((r for r in ranked if not is_plain(r)), None)
         log.info("tree=auto [last step]: skipped: the cost model prices decoding without drafts first (%.1f tok/s; "
                  "its best drafting row %s), and timing in the loop only overrules rows the model rates too high",
                  ranked[0]["tokens_per_s"], f"{drafting['tokens_per_s']:.1f} tok/s" if drafting else "none")
         done[key] = [untimed(ranked[0])]
-        path.write_text(json.dumps(summary, indent=2))
-    if key not in done:
+    else:
         prompts = prompts if prompts is not None else calibration_prompts(target)
         log.info("tree=auto [last step]: timing the model's %d best shapes against plain decoding in the loop "
                  "(%d prompts x %d tokens each)", VALIDATE_TOP, len(prompts), search.validate_new_tokens)
         done[key] = validate(target, drafter, ranked, costs, fixed, prompts, search, ngram, backend)
-        path.write_text(json.dumps(summary, indent=2))
+    path.write_text(json.dumps(summary, indent=2))
     return done[key]
 
 
