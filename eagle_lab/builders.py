@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,19 +70,22 @@ def build_decoder(method: str, target: Target, drafter: Drafter | None, prompt_i
     if method == "vanilla":
         return vanilla_decode(target, prompt_ids, params, stopper, generator, backend)
     if method in SPECULATIVE:
+        if isinstance(drafter, EagleDrafter):
+            drafter.select(params)  # tree=auto's tree for this temperature
         return speculative_decode(target, drafter, prompt_ids, params, stopper, generator, backend)
     raise EagleLabError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
 
 
 def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
                   ngram: NgramProposer | None = None, backend: Backend | None = None,
-                  planned_tokens: int | None = None) -> EagleDrafter:
+                  planned_tokens: int | None = None, temperatures: Sequence[float] = (0.0,)) -> EagleDrafter:
     """A drafter with a fixed tree, or with the shape tree=auto measures for this device.
 
     ngram: merge n-gram branches into every tree (hybrid drafting); under tree=auto its chain
     length is searched too (up to ngram.max_tokens), and it may be switched off or used alone.
     planned_tokens: what this run will decode (None: open-ended); below tree.quick_below_tokens an
-    uncalibrated device is calibrated quickly.
+    uncalibrated device is calibrated quickly. temperatures: those the run samples at (0: greedy);
+    tree=auto chooses a tree for each (EagleDrafter.select picks one per request).
     """
     fixed = TreeShape(tree.depth, tree.topk, tree.total_tokens)
     for key, gain in (("min_gain", tree.min_gain), ("batch_min_gain", tree.batch_min_gain)):
@@ -99,7 +103,7 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
         return drafter
     drafter = eagle_drafter(head, target, TreeShape(4, 4, 12), ngram, backend)
     quick = planned_tokens is not None and planned_tokens < tree.quick_below_tokens
-    auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend, quick=quick)
+    auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend, quick=quick, temperatures=temperatures)
     return drafter
 
 
@@ -120,13 +124,15 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
 
 
 def make_drafter(cfg: ServeConfig, target: Target, backend: Backend | None = None,
-                 planned_tokens: int | None = None) -> Drafter | None:
+                 planned_tokens: int | None = None, temperatures: Sequence[float] | None = None) -> Drafter | None:
     """method=eagle: the head's tree (plus n-gram branches when ngram.enabled); method=ngram: n-gram
     drafting alone, no head; method=draft_model: a small LM's tree; method=vanilla: none.
-    planned_tokens: what this run will decode (None: open-ended)."""
+    planned_tokens: what this run will decode (None: open-ended). temperatures: what it samples at
+    (None: cfg.temperature alone), for tree=auto's choice per temperature."""
     if cfg.method == "eagle":
         proposer = ngram_proposer(cfg.ngram) if cfg.ngram.enabled else None
-        return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer, backend, planned_tokens)
+        return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer, backend, planned_tokens,
+                             (cfg.temperature,) if temperatures is None else temperatures)
     if cfg.method == "ngram":
         return NgramDrafter(ngram_proposer(cfg.ngram))
     if cfg.method == "draft_model":

@@ -27,6 +27,7 @@ from eagle_lab.decoding.head_step import HeadStepRunner
 from eagle_lab.errors import EagleLabError
 from eagle_lab.head import EagleHead, HeadKVCache, draft_lm_head_weight
 from eagle_lab.ngram import NgramProposer, merge_chain
+from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import Target
 from eagle_lab.tree import DraftTree, build_tree, root_only_tree, select_best
 
@@ -57,6 +58,17 @@ def untuned_shape(method: str, auto: bool, depth: int, topk: int, total_tokens: 
     log.info("method=%s: tree=auto calibrates EAGLE heads only; drafting a chain of %d "
              "(set tree=cpu or tree.depth/topk/total_tokens for a tree)", method, UNTUNED_SHAPE.depth)
     return UNTUNED_SHAPE
+
+
+@dataclass(frozen=True)
+class TreeChoice:
+    """tree=auto's tree for one sampling temperature (0: greedy): the head's shape and, with hybrid
+    drafting, the n-gram proposer merged into it (None: no chains). Sampling accepts fewer draft
+    tokens than greedy decoding, so a smaller tree, or none, can be faster there."""
+
+    temperature: float
+    shape: TreeShape
+    ngram: NgramProposer | None = None
 
 
 @dataclass(frozen=True)
@@ -149,9 +161,19 @@ class EagleDrafter:
         self.last_candidates: Candidates | None = None
         self.feature_layers = tuple(head.arch.feature_layers)  # target layers the head reads
         self.max_tree_tokens = 0  # > 0: n-gram chains are cut so a tree never has more nodes (static buckets)
+        self.choices: tuple[TreeChoice, ...] = ()  # tree=auto's trees by temperature (none: the shape is fixed)
 
     def new_cache(self) -> HeadKVCache:
         return HeadKVCache(min_capacity=self.cache_capacity)
+
+    def select(self, params: SamplingParams) -> None:
+        """Draft the tree tree=auto chose for the temperature nearest to params' (greedy: 0). Call it on
+        a drafter that decodes one sequence at a time; a fixed tree (no choices) stays as it is."""
+        if not self.choices:
+            return
+        temperature = 0.0 if params.greedy else params.temperature
+        choice = min(self.choices, key=lambda c: abs(c.temperature - temperature))
+        self.shape, self.ngram = choice.shape, choice.ngram
 
     def reset(self) -> None:
         self.cache = self.new_cache()

@@ -7,14 +7,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from eagle_lab.draft import Candidates, EagleDrafter, TreeShape
+from eagle_lab.draft import Candidates, EagleDrafter, TreeChoice, TreeShape
 from eagle_lab.head_kinds import new_head
 from eagle_lab.ngram import NgramProposer
-from eagle_lab.tree_search.auto import auto_tree, choose, row_ms
+from eagle_lab.sampling import SamplingParams, target_probs
+from eagle_lab.tree import build_tree
+from eagle_lab.tree_search.auto import auto_tree, choose, row_ms, row_tau
 from eagle_lab.tree_search.space import TreeSearchConfig
 from eagle_lab.tree_search.costs import CostModel
-from eagle_lab.tree_search.replay import (Recording, ReplayTree, ngram_lengths, replay_all, simulate_accept,
-                                          simulate_hybrid)
+from eagle_lab.tree_search.replay import (Recording, ReplayTree, expected_accept, ngram_lengths, node_paths, record,
+                                          replay_all, simulate_accept, simulate_hybrid)
+from eagle_lab.verify import verify
 from eagle_lab.tree_search.validate import decode_timings
 from tests.conftest import small_vocab_target
 
@@ -99,7 +102,7 @@ def test_timing_in_the_loop_overrules_the_model(tiny_llama, monkeypatch):
     timed = []
 
     def fake_timings(tree_seconds):
-        def timings(target, drafter, prompts, new_tokens, candidates, backend=None):
+        def timings(target, drafter, prompts, new_tokens, candidates, backend=None, params=None):
             timed.append([shape.depth for shape, _ in candidates])
             return [{"tokens": 140, "rounds": 100, "seconds": tree_seconds} if shape.depth else
                     {"tokens": 100, "rounds": 100, "seconds": 1.0} for shape, _ in candidates]
@@ -319,3 +322,95 @@ def test_a_quick_calibration_is_replaced_by_a_full_one(tiny_llama, tmp_path, mon
     drafter.ngram = proposer  # auto_tree replaces it with the chosen chain (or none)
     auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path, quick=True)
     assert calls["calibrate"] == 2  # the full one serves short runs too
+
+
+def test_expected_accept_is_what_sampling_verification_accepts_on_average():
+    """The sum over nodes of the product of p along the path, against verify.py's sampling rule run
+    many times on one tree (a chain merged after it too): a wrong formula lands many sigmas away."""
+    g = torch.Generator().manual_seed(0)
+    # root -> 5, 6; 5 -> 8, 9; 6 -> 10; 8 -> 12   (a chain 6, 10, 13 merges a new node 13 under 10)
+    tree = build_tree(torch.tensor([1, 5, 6, 8, 9, 10, 12, 13]), torch.tensor([-1, 0, 0, 1, 1, 2, 3, 5]))
+    logits = torch.randn(tree.size, 16, generator=g) * 1.5  # [N, V] the target at each node
+    for node, token in ((0, 5), (0, 6), (1, 8), (3, 12), (5, 13)):
+        logits[node, token] += 2.0  # make the drafted tokens likely, so deep nodes are reached
+    params = SamplingParams(temperature=1.0)
+    probs = target_probs(logits, params)  # [N, V]
+    paths = node_paths(tree)
+    row = {path: i for i, path in enumerate(paths)}
+    path_probs = {path: float(probs[row[path[:-1]], path[-1]]) for path in paths[1:]}
+    expected = expected_accept(paths[1:7], path_probs, chain=[6, 10, 13])
+    draws = 6000
+    accepted = [verify(tree, lambda node: logits[node], params, g)[0].numel() - 1 for _ in range(draws)]
+    mean = sum(accepted) / draws
+    spread = (sum((a - mean) ** 2 for a in accepted) / draws) ** 0.5
+    assert abs(mean - expected) < 4 * spread / draws ** 0.5, (mean, expected)
+    assert expected_accept(paths[1:3], path_probs) == pytest.approx(float(probs[0, 5] + probs[0, 6]))
+    assert expected_accept([(5,), (5, 8)], {(5, 8): 0.9}) == 0.0  # a probability not recorded counts as 0
+
+
+def test_sampled_replay_matches_greedy_replay_as_the_temperature_goes_to_zero(tiny_llama):
+    """At a tiny temperature the target's distribution is its argmax, so the expected accept length is
+    the greedy one wherever the recording scored a tree's nodes: equal for the recorded shape, never above."""
+    drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(3, 2, 6))
+    search = TreeSearchConfig(depths=[1, 2, 3], topks=[1, 2], totals=[1, 2, 4, 6], record_shape=(3, 2, 6),
+                              sampled_temperatures=[1e-4, 1.0])
+    recording, _ = record(tiny_llama, drafter, [list(range(40, 60)), list(range(70, 85))], 16,
+                          temperatures=search.sampled_temperatures)
+    assert recording.rounds and len(recording.path_probs) == len(recording.rounds)
+    rows = replay_all(recording, search)
+    for row in rows:
+        assert row["sampled_tau"]["0.0001"] <= row["tau"] + 1e-6
+        assert 1.0 <= row["sampled_tau"]["1"]
+    recorded = next(r for r in rows if r["shape"] == {"depth": 3, "topk": 2, "total_tokens": 6})
+    assert recorded["sampled_tau"]["0.0001"] == pytest.approx(recorded["tau"], abs=1e-4)
+    assert row_tau(recorded, 0.9) == recorded["sampled_tau"]["1"] and row_tau(recorded, 0.0) == recorded["tau"]
+
+
+def test_choose_ranks_sampled_requests_by_their_expected_accept_length():
+    shapes = [{"shape": {"depth": 0, "topk": 0, "total_tokens": 0}, "tau": 1.0, "sampled_tau": {"1": 1.0}},
+              {"shape": {"depth": 1, "topk": 3, "total_tokens": 3}, "tau": 1.6, "sampled_tau": {"1": 1.45}},
+              {"shape": {"depth": 3, "topk": 1, "total_tokens": 3}, "tau": 2.1, "sampled_tau": {"1": 1.40}}]
+    costs = CostModel({1: 10.0, 4: 10.5}, {1: 1.5, 3: 1.5}, 1.5, 0.5, 0.0, plain_ms=10.0)
+    assert choose(shapes, costs, TreeShape(0, 0, 0))[0] == TreeShape(3, 1, 3)  # greedy: the deep chain
+    chosen, ranked = choose(shapes, costs, TreeShape(0, 0, 0), temperature=1.0)
+    assert chosen == TreeShape(1, 3, 3) and ranked[0]["tau"] == 1.45  # sampling: one head step, three guesses
+
+
+def test_auto_tree_chooses_a_tree_per_temperature_and_requests_select_theirs(tiny_llama, tmp_path, monkeypatch):
+    import eagle_lab.tree_search.auto as auto
+
+    drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(4, 4, 12))
+    search = TreeSearchConfig(depths=[1, 2], topks=[1, 2], totals=[1, 2, 4], record_shape=(2, 2, 4),
+                              probe_shape=(1, 2, 2), new_tokens=12, context=32, validate_new_tokens=8,
+                              sampled_temperatures=[1.0])
+    timed_at = []
+    validate = auto.validate
+
+    def spy(*args):
+        timed_at.append(args[-1].temperature)
+        return validate(*args)
+
+    monkeypatch.setattr(auto, "validate", spy)
+    monkeypatch.setattr(auto, "choose", lambda shapes, costs, fixed, temperature=0.0: (None, [  # never plain first
+        {"shape": {"depth": 2 if temperature else 1, "topk": 1, "total_tokens": 2 if temperature else 1},
+         "tau": 1.5, "round_ms": 1.0, "tokens_per_s": 1500.0}]))
+    prompts = [list(range(40, 60))]
+    auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path, temperatures=(0.0, 1.0))
+    assert timed_at == [0.0, 1.0]  # each temperature timed in the loop, sampling at its own
+    summary = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert set(summary["validated"]) == {"d0-k0-n0", "d0-k0-n0-T1"}
+    assert [c.temperature for c in drafter.choices] == [0.0, 1.0] and drafter.shape == drafter.choices[0].shape
+    auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path, temperatures=(1.0,))
+    assert timed_at == [0.0, 1.0] and [c.temperature for c in drafter.choices] == [1.0]  # cached, not timed again
+
+
+def test_select_takes_the_tree_of_the_nearest_temperature(tiny_llama):
+    drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(2, 2, 3))
+    drafter.select(SamplingParams(temperature=1.0))
+    assert drafter.shape == TreeShape(2, 2, 3) and drafter.choices == ()  # a fixed tree stays
+    chain = NgramProposer(max_tokens=4)
+    drafter.choices = (TreeChoice(0.0, TreeShape(2, 1, 2), chain), TreeChoice(1.0, TreeShape(1, 3, 3)))
+    for temperature, shape, ngram in ((1.0, TreeShape(1, 3, 3), None), (0.7, TreeShape(1, 3, 3), None),
+                                      (0.0, TreeShape(2, 1, 2), chain), (0.3, TreeShape(2, 1, 2), chain)):
+        drafter.select(SamplingParams(temperature=temperature))
+        assert (drafter.shape, drafter.ngram) == (shape, ngram), temperature

@@ -65,6 +65,11 @@ def config_summary(cfg: ServeConfig, target: Target, num_prompts: int,
         "tree_auto": cfg.tree.auto,
         # every head method's tree as used (methods named method@preset ran that preset)
         "trees": {m: asdict(d.shape) for m, d in drafters.items() if isinstance(d, EagleDrafter)},
+        # tree=auto's tree per temperature for each head method ({method: {T: tree, ngram_tokens}})
+        "trees_by_temperature": {m: {f"{c.temperature:g}": {**asdict(c.shape),
+                                                              "ngram_tokens": c.ngram.max_tokens if c.ngram else 0}
+                                     for c in d.choices}
+                                 for m, d in drafters.items() if isinstance(d, EagleDrafter) and d.choices},
         "ngram": asdict(cfg.ngram) if uses_ngram else None,
         # eagle+ngram as used: its tree and chain length (tree=auto may choose others than eagle's, or none)
         "hybrid": ({"tree": asdict(hybrid.shape), "ngram_tokens": hybrid.ngram.max_tokens if hybrid.ngram else 0}

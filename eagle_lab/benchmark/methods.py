@@ -39,9 +39,10 @@ def build_drafters(cfg: ServeConfig, target: Target, backend: Backend | None = N
         base, preset = split_method(method)
         tree = tree_preset(preset) if preset else cfg.tree
         if base == "eagle":
-            drafters[method] = build_drafter(head, target, tree, backend=backend)
+            drafters[method] = build_drafter(head, target, tree, backend=backend, temperatures=cfg.bench.temperatures)
         elif base == "eagle+ngram":
-            drafters[method] = build_drafter(head, target, tree, ngram_proposer(cfg.ngram), backend)
+            drafters[method] = build_drafter(head, target, tree, ngram_proposer(cfg.ngram), backend,
+                                             temperatures=cfg.bench.temperatures)
         elif base == "ngram":
             drafters[method] = NgramDrafter(ngram_proposer(cfg.ngram))
         elif base == "draft_model":

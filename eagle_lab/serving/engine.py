@@ -21,7 +21,7 @@ from jinja2.exceptions import TemplateError
 from eagle_lab.builders import make_generator
 from eagle_lab.config import ServeConfig
 from eagle_lab.decoding.static_rows import StaticRows
-from eagle_lab.draft import Drafter
+from eagle_lab.draft import Drafter, EagleDrafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import GenerationStats, Stopper
 from eagle_lab.prompts import as_tensor, encode_prompt
@@ -176,7 +176,10 @@ class Engine:
         eos = set() if plan.ignore_eos else target.eos_token_ids
         stopper = Stopper(target.tokenizer, plan.max_tokens, eos, plan.stop)
         plain = self.cfg.method == "vanilla"
-        sequence = Sequence(target, None if plain else self.new_drafter(), as_tensor(plan.prompt_ids, target.device),
+        drafter = None if plain else self.new_drafter()
+        if isinstance(drafter, EagleDrafter):
+            drafter.select(plan.params)  # a fork of its own: tree=auto's tree for this request's temperature
+        sequence = Sequence(target, drafter, as_tensor(plan.prompt_ids, target.device),
                             plan.params, stopper, make_generator(plan.seed, target.device), plain=plain,
                             rows=self.rows)
         return Decoding(sequence, target.tokenizer, plan, name)

@@ -65,7 +65,8 @@ def build_app(cfg: ServeConfig):
     target = load_target(cfg.target)
     backend = build_backend(target, cfg.compile, cfg.decoding)
     rows = serving_rows(backend, cfg.server.max_batch, cfg.server.context)
-    prototype = make_drafter(cfg, target, backend)
+    # requests choose their temperature: a tree for greedy decoding and for each temperature tree=auto prices
+    prototype = make_drafter(cfg, target, backend, temperatures=(0.0, *TreeSearchConfig().sampled_temperatures))
     engine = Engine(cfg, target, drafter_factory(prototype), rows)
     scheduler = BatchScheduler(cfg.server.max_batch, cfg.server.max_queue, target,
                                batch_trees(cfg, target, prototype, rows), rows=rows)

@@ -14,6 +14,10 @@ much as one, on a 2-core CPU several times more. So:
      best few in the decoding loop itself, plain decoding among them, each prompt decoded by
      all of them in turn, and choose by measured tokens/s (the model prices a round's parts
      one by one; a small tree's round on a CPU can cost more than they add up to) (validate.py).
+Sampled decoding accepts fewer tokens: the recording also keeps the target's probabilities along
+the recorded tree at `search.sampled_temperatures`, replay prices each shape's expected accept
+length there (replay.expected_accept), and each temperature a run uses gets a tree of its own,
+ranked and timed at that temperature (`drafter.choices`; `EagleDrafter.select` picks per request).
 "Do not draft" competes like for like: it is priced by timing the no-draft path itself (the
 same loop with the head switched off), not by a model. The per-round overhead of tree rounds
 (verification, cache compaction, bookkeeping) is fitted as a line in the tree size through
@@ -37,13 +41,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.draft import EagleDrafter, TreeChoice, TreeShape
 from eagle_lab.embedded import cache_root
 from eagle_lab.ngram import NgramProposer
 from eagle_lab.prompts import encode_prompt
+from eagle_lab.sampling import SamplingParams
 from eagle_lab.target import Target
 from eagle_lab.tree_search.costs import (K_GRID, CostModel, largest_tree, measure_draft_costs, measure_target_costs,
                                          timed_ngram_rounds, timed_rounds)
@@ -76,9 +82,22 @@ def row_ms(row: dict, costs: CostModel) -> float:
     return costs.row_ms(row)
 
 
-def choose(shapes: list[dict], costs: CostModel, fixed: TreeShape) -> tuple[TreeShape, list[dict]]:
+def row_tau(row: dict, temperature: float = 0.0) -> float:
+    """A replayed row's tau: greedy (exact), or expected under sampling at the nearest recorded temperature."""
+    if temperature <= 0:
+        return row["tau"]
+    sampled = row.get("sampled_tau")
+    if not sampled:
+        raise ValueError("this calibration has no sampled accept lengths (search.sampled_temperatures is empty)")
+    nearest = min(sampled, key=lambda key: abs(float(key) - temperature))
+    return sampled[nearest]
+
+
+def choose(shapes: list[dict], costs: CostModel, fixed: TreeShape,
+           temperature: float = 0.0) -> tuple[TreeShape, list[dict]]:
     """The fastest shape among those matching the fixed (non-zero) fields (ranked[0] also says the
-    n-gram chain length chosen, "ngram_tokens", when the rows were replayed with chains)."""
+    n-gram chain length chosen, "ngram_tokens", when the rows were replayed with chains), ranked by
+    tau at `temperature` (0: greedy; the ranked rows' "tau" is that one)."""
     ranked = []
     for row in shapes:
         shape = TreeShape(**row["shape"])
@@ -88,7 +107,8 @@ def choose(shapes: list[dict], costs: CostModel, fixed: TreeShape) -> tuple[Tree
                 fixed.total_tokens and shape.total_tokens != fixed.total_tokens):
             continue
         round_ms = row_ms(row, costs)
-        ranked.append({**row, "round_ms": round_ms, "tokens_per_s": 1000 * row["tau"] / round_ms})
+        tau = row_tau(row, temperature)
+        ranked.append({**row, "tau": tau, "round_ms": round_ms, "tokens_per_s": 1000 * tau / round_ms})
     if not ranked:
         raise ValueError(f"no searched tree shape matches the fixed values {fixed}")
     ranked.sort(key=lambda r: -r["tokens_per_s"])
@@ -129,7 +149,8 @@ def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], s
     log.info("tree=auto [3/%d]: recording %d greedy runs of %d tokens with the largest tree", steps, len(prompts),
              search.new_tokens)
     try:
-        recording, big_ms = record(target, drafter, prompts, search.new_tokens, ngram, backend)
+        recording, big_ms = record(target, drafter, prompts, search.new_tokens, ngram, backend,
+                                   search.sampled_temperatures)
     finally:
         drafter.shape = saved
     timing_prompts = prompts[:1] if quick else prompts  # a median over rounds: one prompt gives dozens
@@ -195,35 +216,38 @@ def calibration_prompts(target: Target) -> list[list[int]]:
 
 def validated(target: Target, drafter: EagleDrafter, summary: dict, path: Path, ranked: list[dict], costs: CostModel,
               fixed: TreeShape, prompts: list[list[int]] | None, search: TreeSearchConfig,
-              ngram: NgramProposer | None, backend=None) -> list[dict]:
-    """validate()'s ranking for these fixed fields: read from the calibration file, else timed once
-    and added to it; after a quick calibration, or when the model ranks plain decoding first, the
-    model's first row stands untimed."""
-    key = f"d{fixed.depth}-k{fixed.topk}-n{fixed.total_tokens}"
+              ngram: NgramProposer | None, backend=None, temperature: float = 0.0) -> list[dict]:
+    """validate()'s ranking for these fixed fields and this temperature: read from the calibration
+    file, else timed once (sampling at `temperature` when > 0) and added to it; after a quick
+    calibration, or when the model ranks plain decoding first, the model's first row stands untimed."""
+    key = f"d{fixed.depth}-k{fixed.topk}-n{fixed.total_tokens}" + (f"-T{temperature:g}" if temperature > 0 else "")
     done = summary.setdefault("validated", {})
     if key in done:
         return done[key]
+    sampling = f" at T={temperature:g}" if temperature > 0 else ""
     if summary.get("quick"):
-        log.info("tree=auto: quick calibration, so the model's ranking decides (no timing in the loop)")
+        log.info("tree=auto%s: quick calibration, so the model's ranking decides (no timing in the loop)", sampling)
         done[key] = [untimed(ranked[0])]
     elif is_plain(ranked[0]):
         drafting = next((r for r in ranked if not is_plain(r)), None)
-        log.info("tree=auto [last step]: skipped: the cost model prices decoding without drafts first (%.1f tok/s; "
+        log.info("tree=auto [last step]%s: skipped: the cost model prices decoding without drafts first (%.1f tok/s; "
                  "its best drafting row %s), and timing in the loop only overrules rows the model rates too high",
-                 ranked[0]["tokens_per_s"], f"{drafting['tokens_per_s']:.1f} tok/s" if drafting else "none")
+                 sampling, ranked[0]["tokens_per_s"], f"{drafting['tokens_per_s']:.1f} tok/s" if drafting else "none")
         done[key] = [untimed(ranked[0])]
     else:
         prompts = prompts if prompts is not None else calibration_prompts(target)
-        log.info("tree=auto [last step]: timing the model's %d best shapes against plain decoding in the loop "
-                 "(%d prompts x %d tokens each)", VALIDATE_TOP, len(prompts), search.validate_new_tokens)
-        done[key] = validate(target, drafter, ranked, costs, fixed, prompts, search, ngram, backend)
+        log.info("tree=auto [last step]%s: timing the model's %d best shapes against plain decoding in the loop "
+                 "(%d prompts x %d tokens each)", sampling, VALIDATE_TOP, len(prompts), search.validate_new_tokens)
+        done[key] = validate(target, drafter, ranked, costs, fixed, prompts, search, ngram, backend,
+                             SamplingParams(temperature))
     path.write_text(json.dumps(summary, indent=2))
     return done[key]
 
 
 def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
               search: TreeSearchConfig | None = None, cache_dir: Path | None = None,
-              min_gain: float = 1.0, backend=None, quick: bool = False) -> TreeShape:
+              min_gain: float = 1.0, backend=None, quick: bool = False,
+              temperatures: Sequence[float] = (0.0,)) -> TreeShape:
     """The fastest shape for this target, head and device (measured once, cached); sets it
     on the drafter. fixed: non-zero fields are kept as given. min_gain: a tree must beat plain
     decoding's timed tokens/s by this factor (validate.measured_best). quick: a quick calibration
@@ -231,42 +255,61 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
 
     With an n-gram proposer on the drafter (hybrid drafting), its chain length is chosen too
     (up to its max_tokens): the drafter's proposer is replaced by one with the chosen length,
-    or removed when merging chains does not pay."""
+    or removed when merging chains does not pay.
+
+    temperatures: the sampling temperatures the run decodes at (0: greedy); one tree is chosen for
+    each (`drafter.choices`, picked per request by `drafter.select`), sampled ones ranked by their
+    expected accept lengths. The drafter is left with the first one's tree, which is returned."""
     ngram = drafter.ngram
     search = fit_search(search or TreeSearchConfig(), backend)
     if backend is not None and getattr(backend, "buckets", None):
         drafter.max_tree_tokens = max(backend.buckets)  # n-gram chains cut to fit the largest compiled size
     summary, costs, path = calibration(target, drafter, fixed, prompts, search, cache_dir, backend, quick)
-    _, ranked = choose(summary["shapes"], costs, fixed)
-    measured = validated(target, drafter, summary, path, ranked, costs, fixed, prompts, search, ngram, backend)
-    best = measured_best(measured, min_gain)
+    if not temperatures:
+        raise ValueError("auto_tree needs at least one temperature (0: greedy)")
+    choices = []
+    for temperature in dict.fromkeys(max(float(t), 0.0) for t in temperatures):  # in order, once each
+        _, ranked = choose(summary["shapes"], costs, fixed, temperature)
+        measured = validated(target, drafter, summary, path, ranked, costs, fixed, prompts, search, ngram, backend,
+                             temperature)
+        best = measured_best(measured, min_gain)
+        log_choice(best, measured, ranked, costs, path, min_gain, ngram is not None, temperature, target.device)
+        chain = int(best.get("ngram_tokens", 0))
+        choices.append(TreeChoice(temperature, TreeShape(**best["shape"]),
+                                  replace(ngram, max_tokens=chain) if ngram is not None and chain else None))
+    drafter.choices = tuple(choices)
+    drafter.shape, drafter.ngram = choices[0].shape, choices[0].ngram
+    return choices[0].shape
+
+
+def log_choice(best: dict, measured: list[dict], ranked: list[dict], costs: CostModel, path: Path, min_gain: float,
+               hybrid: bool, temperature: float, device) -> None:
+    """Say which tree tree=auto chose for this temperature, and on what evidence."""
     chosen, chain = TreeShape(**best["shape"]), int(best.get("ngram_tokens", 0))
+    at = f" for T={temperature:g}" if temperature > 0 else ""
     plain = next((r for r in measured if is_plain(r)), None)
     if best is not measured[0]:
-        log.info("tree=auto: the fastest tree timed %.1f tok/s, less than tree.min_gain=%.2f x plain decoding's "
-                 "%.1f: decoding without drafts", measured[0]["measured_tokens_per_s"], min_gain,
+        log.info("tree=auto%s: the fastest tree timed %.1f tok/s, less than tree.min_gain=%.2f x plain decoding's "
+                 "%.1f: decoding without drafts", at, measured[0]["measured_tokens_per_s"], min_gain,
                  plain["measured_tokens_per_s"])
     first = next(r for r in measured if r["shape"] == ranked[0]["shape"]
                  and r.get("ngram_tokens", 0) == ranked[0].get("ngram_tokens", 0))
     if best.get("timed", True) is False:
-        log.info("tree=auto chose depth=%d topk=%d total_tokens=%d%s by the cost model: %.1f tok/s (tau %.2f on the "
-                 "calibration prompts), %.1f tok/s without drafting (costs: %s)", chosen.depth, chosen.topk,
+        log.info("tree=auto%s chose depth=%d topk=%d total_tokens=%d%s by the cost model: %.1f tok/s (tau %.2f on the "
+                 "calibration prompts), %.1f tok/s without drafting (costs: %s)", at, chosen.depth, chosen.topk,
                  chosen.total_tokens, f" + n-gram chains of {chain} tokens" if chain else "",
                  best["tokens_per_s"], best["tau"], 1000 / costs.round_ms(TreeShape(0, 0, 0)), path)
     else:
-        log.info("tree=auto chose depth=%d topk=%d total_tokens=%d%s: %.1f tok/s timed in the loop (tau %.2f; model: "
-                 "%.1f tok/s; the model's first choice timed %.1f)%s (costs: %s)",
+        log.info("tree=auto%s chose depth=%d topk=%d total_tokens=%d%s: %.1f tok/s timed in the loop (tau %.2f; model: "
+                 "%.1f tok/s; the model's first choice timed %.1f)%s (costs: %s)", at,
                  chosen.depth, chosen.topk, chosen.total_tokens,
-                 f" + n-gram chains of {chain} tokens" if chain else " (no n-gram branches)" if ngram else "",
+                 f" + n-gram chains of {chain} tokens" if chain else " (no n-gram branches)" if hybrid else "",
                  best["measured_tokens_per_s"], best.get("measured_tau", best["tau"]),
                  best.get("tokens_per_s", best["measured_tokens_per_s"]), first["measured_tokens_per_s"],
                  f" vs {plain['measured_tokens_per_s']:.1f} tok/s without drafting, timed beside it" if plain else "",
                  path)
-    drafter.ngram = replace(ngram, max_tokens=chain) if ngram is not None and chain else None
     if chosen.depth == 0 and chain:
-        log.info("tree=auto: n-gram drafting alone (no head run) is fastest here")
+        log.info("tree=auto%s: n-gram drafting alone (no head run) is fastest here", at)
     elif chosen.depth == 0:
-        log.warning("tree=auto: with this head no draft tree pays for itself on %s; decoding without drafts "
-                    "(train a better head, or set tree.depth/topk/total_tokens to force one)", target.device)
-    drafter.shape = chosen
-    return chosen
+        log.warning("tree=auto%s: with this head no draft tree pays for itself on %s; decoding without drafts "
+                    "(train a better head, or set tree.depth/topk/total_tokens to force one)", at, device)

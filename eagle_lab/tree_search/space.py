@@ -15,6 +15,9 @@ class TreeSearchConfig:
     new_tokens: int = 48
     context: int = 256
     validate_new_tokens: int = 64  # per prompt when the best shapes are timed against plain decoding
+    # sampling temperatures whose expected accept lengths the recording prices (a sampled request
+    # drafts the tree chosen for the nearest of them, or for greedy decoding when that is nearer)
+    sampled_temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0])
 
 
 @dataclass

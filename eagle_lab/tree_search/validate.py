@@ -24,21 +24,24 @@ VALIDATE_TOP = 3  # the model's best shapes timed in the decoding loop before on
 
 
 def decode_timings(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
-                   candidates: list[tuple[TreeShape, NgramProposer | None]], backend=None) -> list[dict]:
-    """Greedy decoding with each candidate (tree shape, n-gram proposer or None; depth 0 and no
-    proposer = the no-draft path): tokens, rounds and seconds summed over the prompts, prefills
+                   candidates: list[tuple[TreeShape, NgramProposer | None]], backend=None,
+                   params: SamplingParams = SamplingParams()) -> list[dict]:
+    """Decoding (greedy by default) with each candidate (tree shape, n-gram proposer or None; depth 0
+    and no proposer = the no-draft path): tokens, rounds and seconds summed over the prompts, prefills
     not counted. Each prompt is decoded by every candidate in turn, in an order rotated from one
     prompt to the next, so a drift in the machine's speed (other work, clocks) falls on all of
-    them alike instead of on whichever was timed last."""
+    them alike instead of on whichever was timed last. Sampling: every candidate draws from the
+    same seed on a prompt."""
     totals = [{"tokens": 0, "rounds": 0, "seconds": 0.0} for _ in candidates]
     saved_shape, saved_ngram = drafter.shape, drafter.ngram
     try:
         for p, ids in enumerate(prompts):
             for c in [(p + i) % len(candidates) for i in range(len(candidates))]:
                 drafter.shape, drafter.ngram = candidates[c]
+                generator = None if params.greedy else torch.Generator(target.device).manual_seed(p)
                 decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device),
-                                             SamplingParams(), Stopper(target.tokenizer, new_tokens, set()),
-                                             backend=backend)
+                                             params, Stopper(target.tokenizer, new_tokens, set()),
+                                             generator, backend=backend)
                 stamps, tokens = [], 0
                 for i, chunk in enumerate(decoder):  # the prefill's token, then one chunk per round
                     stamps.append(time.perf_counter())
@@ -87,20 +90,20 @@ def measured_best(rows: list[dict], min_gain: float = 1.0) -> dict:
 
 def validate(target: Target, drafter: EagleDrafter, ranked: list[dict], costs: CostModel, fixed: TreeShape,
              prompts: list[list[int]], search: TreeSearchConfig, ngram: NgramProposer | None,
-             backend=None) -> list[dict]:
+             backend=None, params: SamplingParams = SamplingParams()) -> list[dict]:
     """The model's best VALIDATE_TOP rows, timed in the decoding loop and re-ranked by measured
     tokens/s (tokens over seconds, as the benchmark measures it), with plain decoding timed in
     the same interleaved runs when the fixed fields allow it. The model prices each part of a
     round on its own; on a CPU a small tree's round can cost more than its parts add up to, so
     the model may rank a tree above plain decoding that is slower in the loop; the measured
-    ranking decides."""
+    ranking decides. params: the sampling the rows were ranked for (their tau is its expectation)."""
     rows = with_plain(ranked[:VALIDATE_TOP], fixed)
     candidates = []
     for row in rows:
         chain = int(row.get("ngram_tokens", 0))
         proposer = replace(ngram, max_tokens=chain) if ngram is not None and chain else None
         candidates.append((TreeShape(**row["shape"]), proposer))
-    timings = decode_timings(target, drafter, prompts, search.validate_new_tokens, candidates, backend)
+    timings = decode_timings(target, drafter, prompts, search.validate_new_tokens, candidates, backend, params)
     for row, timing in zip(rows, timings):
         rounds, seconds = max(timing["rounds"], 1), max(timing["seconds"], 1e-9)
         row.update(measured_tokens_per_s=timing["tokens"] / seconds, measured_tau=timing["tokens"] / rounds,
