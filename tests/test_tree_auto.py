@@ -237,15 +237,16 @@ def test_auto_tree_with_ngram_calibrates_separately(tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 2 and plain.ngram is None  # cached apart from the hybrid's
 
 
-def test_a_bucketed_backend_is_timed_at_every_size(tiny_llama):
+def test_a_bucketed_backend_prices_every_size_at_its_bucket(tiny_llama):
     """A static backend pads N tokens to a bucket, so N=5 costs what 8 costs: no size may be
-    interpolated from its neighbours."""
+    interpolated from its neighbours, and sizes in one bucket cost the same."""
     from eagle_lab.decoding.backend import StaticBackend
     from eagle_lab.tree_search.costs import measure_target_costs
 
     costs = measure_target_costs(tiny_llama, 16, backend=StaticBackend(tiny_llama, [4, 8], 64))
     assert sorted(costs) == list(range(1, 9))
     assert all(ms > 0 for ms in costs.values())
+    assert len({costs[k] for k in (1, 2, 3, 4)}) == 1 and len({costs[k] for k in (5, 6, 7, 8)}) == 1
 
 
 def test_no_loop_timing_when_the_model_ranks_plain_first(tiny_llama, tmp_path, monkeypatch):

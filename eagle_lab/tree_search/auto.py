@@ -123,7 +123,7 @@ def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig
               "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search)}
     if backend is not None and getattr(backend, "name", "eager") != "eager":  # costs differ per backend
         fields["backend"] = {"name": backend.name, "buckets": list(getattr(backend, "buckets", [])),
-                             "target_costs": "every size",
+                             "target_costs": "per bucket",
                              "head_step": "compiled" if drafter.runner.compiled else "eager"}
     if ngram is not None:  # only then: summaries cached without n-gram stay valid
         fields["ngram"] = {**asdict(ngram), "lengths": ngram_lengths(ngram), "priced": "timed-ngram-rounds"}
@@ -203,11 +203,15 @@ def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts
             drafter.ngram = ngram
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2))
+    return summary, cost_model(summary), path
+
+
+def cost_model(summary: dict) -> CostModel:
+    """The cost model of a calibration summary (as cached)."""
     cm = summary["cost_model"]
-    costs = CostModel({int(k): v for k, v in cm["target_ms"].items()}, {int(k): v for k, v in cm["level_ms"].items()},
-                      cm["first_level_ms"], cm["overhead_ms"], cm["overhead_per_token_ms"], cm["plain_ms"],
-                      cm.get("ngram_ms", 0.0), cm.get("ngram_round_ms"))
-    return summary, costs, path
+    return CostModel({int(k): v for k, v in cm["target_ms"].items()}, {int(k): v for k, v in cm["level_ms"].items()},
+                     cm["first_level_ms"], cm["overhead_ms"], cm["overhead_per_token_ms"], cm["plain_ms"],
+                     cm.get("ngram_ms", 0.0), cm.get("ngram_round_ms"))
 
 
 def calibration_prompts(target: Target) -> list[list[int]]:

@@ -101,21 +101,25 @@ def timed(fn, reps: int = 3) -> float:
 
 
 @torch.no_grad()
-def measure_target_costs(target: Target, context: int, grid=K_GRID, backend: Backend | None = None) -> dict[int, float]:
+def measure_target_costs(target: Target, context: int, grid=K_GRID, backend: Backend | None = None,
+                         reps: int = 5) -> dict[int, float]:
     """ms to score k tokens (a tree's forward and its logits) after `context` cached ones, through the
-    backend the decoding loop uses (static backends: every size up to the largest bucket, since a
-    5-token tree costs what the 8-token bucket costs, which no interpolation between 4 and 8 gives)."""
+    backend the decoding loop uses. Eager: timed on `grid` (interpolated between by CostModel). A static
+    backend pads k tokens to its bucket, so every size up to the largest bucket costs what its bucket
+    costs (a 5-token tree what the 8-token bucket does, which no interpolation between 4 and 8 gives):
+    each bucket is timed, `reps` times in turns with the others so a drift in the machine's speed falls
+    on all alike, and its median given to every size it holds (timed size by size, neighbours in one
+    bucket differed by up to 1.5x on a drifting 2-core CPU)."""
     backend = backend or EagerBackend(target)
     largest = largest_tree(backend, max(grid))
-    if getattr(backend, "buckets", None):  # bucketed: cost jumps at bucket edges, so time every size
-        grid = range(1, largest + 1)
-    grid = [k for k in grid if k <= largest]
+    buckets = sorted(getattr(backend, "buckets", None) or [])
+    sizes = buckets if buckets else [k for k in grid if k <= largest]
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
     scorer = backend.open(context, 16)
     scorer.prefill(prefix)
-    costs = {}
-    for k in grid:
+
+    def scoring(k: int):
         tokens = torch.randint(0, target.vocab_size, (k,), generator=g).to(target.device)
         mask = torch.ones(k, k, dtype=torch.bool, device=target.device).tril()
         depths = torch.arange(k, device=target.device)
@@ -123,10 +127,19 @@ def measure_target_costs(target: Target, context: int, grid=K_GRID, backend: Bac
         def score():
             scorer.score(tokens, depths, mask)
             scorer.rewind()
+        return score
 
-        score()  # warm-up (and, for a compiled backend, the bucket's compile)
-        costs[k] = timed(score)
-    return costs
+    calls = {k: scoring(k) for k in sizes}
+    for call in calls.values():
+        call()  # warm-up (and, for a compiled backend, the bucket's compile)
+    if not buckets:
+        return {k: timed(call) for k, call in calls.items()}
+    times: dict[int, list[float]] = {k: [] for k in sizes}
+    for _ in range(reps):
+        for k, call in calls.items():
+            times[k].append(timed(call, reps=1))
+    per_bucket = {k: statistics.median(v) for k, v in times.items()}
+    return {k: per_bucket[min(b for b in buckets if b >= k)] for k in range(1, largest + 1)}
 
 
 def largest_tree(backend: Backend | None, default: int) -> int:
