@@ -45,6 +45,8 @@ class HeadCard:
     draft_vocab_size: int = 0
     trainable_parameters: int = 0  # what training updated (a draft LM's frozen embeddings and LM head excluded)
     data: dict[str, object] = field(default_factory=dict)  # source, max_length, ...
+    # how it was trained: lr, global batch, warm-up, schedule floor, head MLP width (0 = the target's), ...
+    recipe: dict[str, object] = field(default_factory=dict)
     command: str = ""  # reproduces the head
 
     def summary(self) -> str:

@@ -287,3 +287,44 @@ def test_scaling_report_shows_each_kind_of_training_text_as_its_own_series(tmp_p
     assert [row.split(" | ")[1] for row in rows] == ["source replies", "target's replies",
                                                       "source replies + target's replies"]
     assert series(HeadCard(target="t", kind="eagle2")) == "source replies"
+
+
+def _recipe_run(root, name, recipe, epochs=2.0, tokens=300_000, acc=(0.2, 0.3)):
+    from eagle_lab.card import HeadCard, write_card
+
+    (root / name / "head").mkdir(parents=True)
+    write_card(root / name / "head", HeadCard(target="t", kind="eagle2", train_tokens=tokens, epochs=epochs, steps=180,
+                                              heldout_top1=[0.26, 0.15], heldout_tau_chain=1.3, data={"source": "s"},
+                                              recipe=recipe))
+    rows = [{"step": 20 * (i + 1), "acc_1": a} for i, a in enumerate(acc)] + [{"step": 40, "eval_acc_1": 0.26}]
+    (root / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_recipe_report_names_the_one_knob_each_run_changed(tmp_path):
+    from eagle_lab.training.recipe_report import main
+
+    base = {"lr": 1e-3, "epochs": 2, "intermediate_size": 0}
+    _recipe_run(tmp_path, "base", base)
+    _recipe_run(tmp_path, "lr", {**base, "lr": 3e-3})
+    _recipe_run(tmp_path, "ep6", {**base, "epochs": 6}, epochs=6.0, acc=(0.4, 0.5))
+    assert main([str(tmp_path / r) for r in ("base", "lr", "ep6")] + ["--out", str(tmp_path / "out")]) == 0
+    rows = (tmp_path / "out" / "recipe.md").read_text().splitlines()[2:]
+    assert rows[0].startswith("| base | baseline | 2.00 |") and rows[1].startswith("| lr | lr 0.003 |")
+    assert rows[2].startswith("| ep6 | epochs 6 | 6.00 | 180 | 0.450 |")  # training top-1: mean of the last 200 steps
+    assert (tmp_path / "out" / "recipe.png").stat().st_size > 0
+
+
+def test_recipe_report_refuses_runs_that_are_not_one_knob_off_the_baseline(tmp_path, capsys):
+    from eagle_lab.training.recipe_report import main
+
+    base = {"lr": 1e-3, "epochs": 2}
+    _recipe_run(tmp_path, "base", base)
+    _recipe_run(tmp_path, "two", {"lr": 3e-3, "epochs": 4})
+    _recipe_run(tmp_path, "more_data", {**base, "lr": 3e-3}, tokens=600_000)
+    _recipe_run(tmp_path, "same", dict(base))
+    for other, why in (("two", "changes ['epochs', 'lr']"), ("more_data", "other data than the baseline"),
+                       ("same", "changes nothing")):
+        assert main([str(tmp_path / "base"), str(tmp_path / other), "--out", str(tmp_path / "out")]) == 2
+        assert why in capsys.readouterr().err
+    assert main([str(tmp_path / "missing"), str(tmp_path / "base")]) == 2
+    assert "the baseline" in capsys.readouterr().err

@@ -360,6 +360,9 @@ class Recipe:
                   "eval_conversations": cfg.data.eval_conversations,
                   "heldout_replies": "target" if cfg.data.regenerate.enabled else "source",
                   **({"parts": self.train_parts} if self.train_parts else {})},
+            recipe={"lr": cfg.optim.lr, "global_batch": per_step, "warmup_steps": cfg.optim.warmup_steps,
+                    "min_lr_ratio": cfg.optim.min_lr_ratio, "epochs": tcfg.epochs,
+                    "intermediate_size": cfg.head.intermediate_size, "ttt_steps": cfg.head.ttt_steps},
             command=self.command or "python train.py (overrides not recorded)")
 
     def _log(self, record: dict) -> None:
