@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "eagle_lab"
 # top to bottom; a module belongs to the first layer one of whose prefixes it starts with
 LAYERS = [
     ("entry points", ["eagle_lab.serve", "eagle_lab.train", "eagle_lab.export", "eagle_lab.cli", "eagle_lab.training.trainer",
-                      "eagle_lab.training.scaling_report"]),
+                      "eagle_lab.training.scaling_report", "eagle_lab.training.recipe_report"]),
     ("benchmark", ["eagle_lab.benchmark"]),
     ("serving", ["eagle_lab.serving", "eagle_lab.text_stream"]),
     ("builders and configs", ["eagle_lab.builders", "eagle_lab.config"]),
