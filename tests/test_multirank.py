@@ -33,6 +33,14 @@ def test_two_ranks_match_one_rank_and_gradient_accumulation_at_the_same_global_b
     assert accumulated == pytest.approx(one_rank, rel=1e-5)
     assert two_ranks == pytest.approx(one_rank, rel=1e-5)
     assert one_rank[-1] < one_rank[0]  # it trains
+    # the held-out set is split over the ranks (same batches of 2 as one rank's) and the counts summed
+    assert final_eval(tmp_path / "two") == pytest.approx(final_eval(tmp_path / "accum"), rel=1e-6)
+
+
+def final_eval(run_dir: Path) -> dict[str, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "eval_acc_1" in r][-1]
+    return {k: v for k, v in last.items() if k.startswith("eval_")}
 
 
 def test_two_ranks_resume_from_their_checkpoint(tmp_path):

@@ -12,6 +12,7 @@ changes what the head learns, never the output.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -145,10 +146,12 @@ def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: Lo
 
 
 @torch.no_grad()
-def heldout_accuracy(head, target, batches, depth: int) -> dict[str, float]:
+def heldout_accuracy(head, target, batches, depth: int,
+                     total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
     """Top-1 accuracy at draft positions 1..depth against the target's own argmax over the
     full vocabulary, and the chain tau it implies: 1 + sum_d prod_{i<=d} acc_i. A draft LM
-    predicts position 1 only here (its deeper positions need its own tokens: the bench measures them)."""
+    predicts position 1 only here (its deeper positions need its own tokens: the bench measures them).
+    total: sums a [depth] count over the ranks that each scored a share of the batches."""
     depth = 1 if isinstance(head, DraftLM) else min(depth, head.arch.num_heads) if isinstance(head, MedusaHeads) \
         else depth
     hits, counts = torch.zeros(depth), torch.zeros(depth)
@@ -162,6 +165,8 @@ def heldout_accuracy(head, target, batches, depth: int) -> dict[str, float]:
             draft_token = head.draft_to_target[draft_ids]
             hits[j - 1] += ((draft_token == target_token) & w).sum().item()
             counts[j - 1] += w.sum().item()
+    if total is not None:
+        hits, counts = total(hits), total(counts)
     acc = (hits / counts.clamp(min=1)).tolist()
     tau, chain = 1.0, 1.0
     for a in acc:

@@ -192,6 +192,13 @@ class Recipe:
         return (ExampleSource(self.target, self.train_rows, stores[0], self.layer_ids),
                 ExampleSource(self.target, self.eval_rows, stores[1], self.layer_ids))
 
+    def _sum_over_ranks(self, counts: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return counts
+        summed = counts.to(self.device)  # nccl reduces device tensors only
+        torch.distributed.all_reduce(summed)
+        return summed.cpu()
+
     def _barrier(self) -> None:
         if self.world > 1:
             torch.distributed.barrier()
@@ -315,9 +322,9 @@ class Recipe:
         size = self.cfg.trainer.micro_batch_size
         lengths = self.eval_source.lengths()
         chosen = sorted(range(count), key=lambda i: lengths[i])  # similar lengths per batch: little padding
-        batches = (self._batch(self.eval_source.get(chosen[i: i + size], with_greedy=True))
-                   for i in range(0, count, size))
-        result = heldout_accuracy(self.head, self.target, batches, self.cfg.trainer.eval_depth)
+        starts = list(range(0, count, size))[self.rank::self.world]  # each rank scores every world-th batch
+        batches = (self._batch(self.eval_source.get(chosen[i: i + size], with_greedy=True)) for i in starts)
+        result = heldout_accuracy(self.head, self.target, batches, self.cfg.trainer.eval_depth, self._sum_over_ranks)
         self.last_eval = {**result, "sequences": count}
         self.head.train()
         where = self.cfg.head.path if self.cfg.trainer.eval_only else f"step {self.step}"
