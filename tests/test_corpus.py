@@ -306,11 +306,11 @@ def test_recipe_report_names_the_one_knob_each_run_changed(tmp_path):
     base = {"lr": 1e-3, "epochs": 2, "intermediate_size": 0}
     _recipe_run(tmp_path, "base", base)
     _recipe_run(tmp_path, "lr", {**base, "lr": 3e-3})
-    _recipe_run(tmp_path, "ep6", {**base, "epochs": 6}, epochs=6.0, acc=(0.4, 0.5))
+    _recipe_run(tmp_path, "ep6", {**base, "epochs": 6}, epochs=6.0, acc=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8))
     assert main([str(tmp_path / r) for r in ("base", "lr", "ep6")] + ["--out", str(tmp_path / "out")]) == 0
     rows = (tmp_path / "out" / "recipe.md").read_text().splitlines()[2:]
     assert rows[0].startswith("| base | baseline | 2.00 |") and rows[1].startswith("| lr | lr 0.003 |")
-    assert rows[2].startswith("| ep6 | epochs 6 | 6.00 | 180 | 0.450 |")  # training top-1: mean of the last 200 steps
+    assert rows[2].startswith("| ep6 | epochs 6 | 6.00 | 180 | 0.750 |")  # training top-1: the last quarter's mean
     assert (tmp_path / "out" / "recipe.png").stat().st_size > 0
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from eagle_lab.card import HeadCard
 from eagle_lab.training.scaling_report import load_cards, mtbench
 
-TRAIN_WINDOW_STEPS = 200  # training top-1 at the end: the mean over the last this many steps
+TRAIN_WINDOW_STEPS = 200  # training top-1 at the end: the mean over the last quarter of the steps, at most this many
 
 
 @dataclass
@@ -43,7 +43,8 @@ def changed_keys(base: HeadCard, card: HeadCard) -> list[str]:
 
 
 def train_top1_at_end(run: Path, window: int = TRAIN_WINDOW_STEPS) -> float | None:
-    """Mean training top-1 at position 1 over the last `window` steps of metrics.jsonl (None if absent)."""
+    """Mean training top-1 at position 1 over the run's last quarter of steps, at most `window` of them
+    (metrics.jsonl; None if absent): a short run's early steps would drag the figure down."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         return None
@@ -52,6 +53,7 @@ def train_top1_at_end(run: Path, window: int = TRAIN_WINDOW_STEPS) -> float | No
     if not train:
         return None
     last = train[-1]["step"]
+    window = min(window, max(last // 4, 1))
     tail = [r["acc_1"] for r in train if r["step"] > last - window]
     return sum(tail) / len(tail)
 
