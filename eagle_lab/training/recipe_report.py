@@ -10,7 +10,6 @@ knob's value, one panel per knob, the baseline in each) to --out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle_lab.card import HeadCard
-from eagle_lab.training.scaling_report import load_cards, mtbench
+from eagle_lab.training.scaling_report import load_cards, mtbench, report_parser, write_report
 
 TRAIN_WINDOW_STEPS = 200  # training top-1 at the end: the mean over the last quarter of the steps, at most this many
 
@@ -120,11 +119,7 @@ def plot(runs: list[RecipeRun], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="the baseline run directory first, then the variants")
-    parser.add_argument("--out", type=Path, default=Path("."), help="where recipe.md and recipe.png go")
-    parser.add_argument("--prompts", type=int, default=20, help="MT-bench figure to show, by prompt count")
-    args = parser.parse_args(argv)
+    args = report_parser(__doc__, "the baseline run directory first, then the variants", "recipe").parse_args(argv)
     found = {run: card for run, card in load_cards(args.runs)}
     cards = [(run, found[run]) for run in args.runs if run in found]  # the order given: baseline first
     if not cards or cards[0][0] != args.runs[0]:
@@ -135,13 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    text = table(runs, args.prompts)
-    (args.out / "recipe.md").write_text(text)
-    plot(runs, args.out / "recipe.png")
-    print(text, end="")
-    print(f"wrote {args.out / 'recipe.md'} and {args.out / 'recipe.png'}")
-    return 0
+    return write_report(args.out, "recipe", table(runs, args.prompts), lambda path: plot(runs, path))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from eagle_lab.card import HeadCard, bench_prompts, read_card
@@ -112,24 +113,34 @@ def plot(cards: list[tuple[Path, HeadCard]], path: Path, prompts: int = 20) -> N
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="training run directories (runs/<name>)")
-    parser.add_argument("--out", type=Path, default=Path("."), help="where scaling.md and scaling.png go")
+def report_parser(doc: str, runs_help: str, stem: str) -> argparse.ArgumentParser:
+    """The arguments every run report takes: run directories, --out, --prompts."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help=runs_help)
+    parser.add_argument("--out", type=Path, default=Path("."), help=f"where {stem}.md and {stem}.png go")
     parser.add_argument("--prompts", type=int, default=20,
                         help="MT-bench figure to show, by prompt count, where a card has several (default 20)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def write_report(out: Path, stem: str, text: str, draw: Callable[[Path], None]) -> int:
+    """Writes `<stem>.md` (the table) and `<stem>.png` (drawn by `draw`) into `out`, and prints the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(text)
+    draw(out / f"{stem}.png")
+    print(text, end="")
+    print(f"wrote {out / (stem + '.md')} and {out / (stem + '.png')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = report_parser(__doc__, "training run directories (runs/<name>)", "scaling").parse_args(argv)
     cards = load_cards(args.runs)
     if not cards:
         print("error: none of the given runs has a head card", file=sys.stderr)
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    text = table(cards, args.prompts)
-    (args.out / "scaling.md").write_text(text)
-    plot(cards, args.out / "scaling.png", args.prompts)
-    print(text, end="")
-    print(f"wrote {args.out / 'scaling.md'} and {args.out / 'scaling.png'}")
-    return 0
+    return write_report(args.out, "scaling", table(cards, args.prompts),
+                        lambda path: plot(cards, path, args.prompts))
 
 
 if __name__ == "__main__":
