@@ -89,28 +89,46 @@ def table(runs: list[RecipeRun], prompts: int = 20) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plotted_value(run: RecipeRun, key: str) -> float:
+    """A knob's value on the plot's x axis: a head width of 0 (the target's) is read back from the head's config."""
+    value = float(knob_value(run.card, key))
+    if key == "intermediate_size" and value == 0:
+        config = run.run / "head" / "config.json"
+        if config.is_file():
+            value = float(json.loads(config.read_text()).get("intermediate_size", 0))
+    return value
+
+
 def plot(runs: list[RecipeRun], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     base = runs[0]
     knobs = sorted({r.knob for r in runs if r.knob})
+    top1_max = max(max(r.card.heldout_top1[0], r.train_top1 or 0.0) for r in runs)
+    tau_max = max(r.card.heldout_tau_chain for r in runs)
     fig, axes = plt.subplots(1, max(len(knobs), 1), figsize=(4.2 * max(len(knobs), 1), 4), squeeze=False)
     for ax, knob in zip(axes[0], knobs):
-        points = sorted([(float(knob_value(base.card, knob)), base)] +
-                        [(float(r.value), r) for r in runs if r.knob == knob], key=lambda p: p[0])
+        points = sorted([(plotted_value(base, knob), base)] +
+                        [(plotted_value(r, knob), r) for r in runs if r.knob == knob], key=lambda p: p[0])
         xs = [x for x, _ in points]
         ax.plot(xs, [r.card.heldout_top1[0] for _, r in points], marker="o", color="C0", label="held-out top-1 @1")
         ax.plot(xs, [r.train_top1 if r.train_top1 is not None else math.nan for _, r in points], marker="^",
                 linestyle="--", color="C0", label="training top-1 @1 (end)")
         twin = ax.twinx()
         twin.plot(xs, [r.card.heldout_tau_chain for _, r in points], marker="s", color="C1", label="held-out chain tau")
+        # the same scales in every panel, from 0 (top-1) and 1 (tau), so panels compare at a glance
+        ax.set_ylim(0.0, top1_max * 1.1)
+        twin.set_ylim(1.0, 1.0 + (tau_max - 1.0) * 1.1)
         twin.set_ylabel("chain tau", color="C1")
         if knob == "lr":
             ax.set_xscale("log")
-        ax.set(xlabel=knob, ylabel="top-1 at draft position 1", title=f"{knob} (baseline {knob_value(base.card, knob)})")
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set(xlabel=knob, ylabel="top-1 at draft position 1", title=f"{knob} (baseline {plotted_value(base, knob):g})")
         handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
         ax.legend(handles=handles, fontsize=7, loc="lower right")
     fig.tight_layout()
