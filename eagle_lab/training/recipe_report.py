@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle_lab.card import HeadCard
+from eagle_lab.head import CONFIG_NAME
 from eagle_lab.training.scaling_report import load_cards, mtbench, report_parser, write_report
 
 TRAIN_WINDOW_STEPS = 200  # training top-1 at the end: the mean over the last quarter of the steps, at most this many
@@ -27,7 +28,6 @@ class RecipeRun:
     run: Path
     card: HeadCard
     knob: str  # the recipe key this run changed against the baseline; "" for the baseline itself
-    value: object  # that key's value here (the baseline's value for the baseline)
     train_top1: float | None
 
 
@@ -62,7 +62,7 @@ def recipe_runs(cards: list[tuple[Path, HeadCard]]) -> list[RecipeRun]:
     (base_run, base), rest = cards[0], cards[1:]
     if not base.recipe:
         raise ValueError(f"{base_run}: its card has no recipe (trained before cards recorded one)")
-    out = [RecipeRun(base_run, base, "", None, train_top1_at_end(base_run))]
+    out = [RecipeRun(base_run, base, "", train_top1_at_end(base_run))]
     for run, card in rest:
         if card.train_tokens != base.train_tokens or card.data.get("source") != base.data.get("source"):
             raise ValueError(f"{run}: trained on other data than the baseline {base_run} "
@@ -70,7 +70,7 @@ def recipe_runs(cards: list[tuple[Path, HeadCard]]) -> list[RecipeRun]:
         keys = changed_keys(base, card)
         if len(keys) != 1:
             raise ValueError(f"{run}: changes {keys or 'nothing'} against the baseline; a recipe curve changes one knob")
-        out.append(RecipeRun(run, card, keys[0], knob_value(card, keys[0]), train_top1_at_end(run)))
+        out.append(RecipeRun(run, card, keys[0], train_top1_at_end(run)))
     return out
 
 
@@ -93,7 +93,7 @@ def plotted_value(run: RecipeRun, key: str) -> float:
     """A knob's value on the plot's x axis: a head width of 0 (the target's) is read back from the head's config."""
     value = float(knob_value(run.card, key))
     if key == "intermediate_size" and value == 0:
-        config = run.run / "head" / "config.json"
+        config = run.run / "head" / CONFIG_NAME
         if config.is_file():
             value = float(json.loads(config.read_text()).get("intermediate_size", 0))
     return value
@@ -112,7 +112,8 @@ def plot(runs: list[RecipeRun], path: Path) -> None:
     tau_max = max(r.card.heldout_tau_chain for r in runs)
     fig, axes = plt.subplots(1, max(len(knobs), 1), figsize=(4.2 * max(len(knobs), 1), 4), squeeze=False)
     for ax, knob in zip(axes[0], knobs):
-        points = sorted([(plotted_value(base, knob), base)] +
+        base_x = plotted_value(base, knob)
+        points = sorted([(base_x, base)] +
                         [(plotted_value(r, knob), r) for r in runs if r.knob == knob], key=lambda p: p[0])
         xs = [x for x, _ in points]
         ax.plot(xs, [r.card.heldout_top1[0] for _, r in points], marker="o", color="C0", label="held-out top-1 @1")
@@ -128,7 +129,7 @@ def plot(runs: list[RecipeRun], path: Path) -> None:
             ax.set_xscale("log")
         ax.set_xticks(xs, [f"{x:g}" for x in xs])
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set(xlabel=knob, ylabel="top-1 at draft position 1", title=f"{knob} (baseline {plotted_value(base, knob):g})")
+        ax.set(xlabel=knob, ylabel="top-1 at draft position 1", title=f"{knob} (baseline {base_x:g})")
         handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
         ax.legend(handles=handles, fontsize=7, loc="lower right")
     fig.tight_layout()
