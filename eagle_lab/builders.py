@@ -12,6 +12,7 @@ import torch
 from eagle_lab.card import read_card
 from eagle_lab.config import HeadConfig, MedusaConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
+from eagle_lab.device import drafting_dtype
 from eagle_lab.draft import Drafter, EagleDrafter, TreeShape, untuned_shape
 from eagle_lab.draft_lm_store import is_layers_only, load_draft_vocab, load_layers_only
 from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer
@@ -46,6 +47,15 @@ def packaged_drafter_dir(target_name: str, kind: str) -> Path | None:
 
 
 def build_head(cfg: HeadConfig, target: Target) -> EagleHead:
+    """The head to draft with, in head.draft_dtype."""
+    dtype = drafting_dtype(cfg.draft_dtype, target.dtype, target.device)
+    head = _load_or_new_head(cfg, target)
+    if head.fc.weight.dtype != dtype:
+        log.info("the head drafts in %s", str(dtype).removeprefix("torch."))
+    return head.to(dtype)
+
+
+def _load_or_new_head(cfg: HeadConfig, target: Target) -> EagleHead:
     path = cfg.path
     if path == "":
         packaged = packaged_head_dir(target.name)

@@ -32,6 +32,10 @@ class HeadConfig:
     intermediate_size: int = 0  # training, eagle2/eagle3: the head MLP's width; 0 = the target's (capacity knob)
     draft_layers: int = 2  # head.kind=draft_lm: decoder layers of the standalone draft model
     medusa_heads: int = 4  # head.kind=medusa: heads, head k guessing the token k+1 places ahead
+    # serving: the dtype the head drafts in. auto = bf16 beside an fp32 target on a CPU that runs bf16
+    # natively (half the bytes per head step), else the target's. Drafts are proposals: exactness never
+    # depends on their numerics.
+    draft_dtype: str = "auto"
     seed: int = 0
 
 

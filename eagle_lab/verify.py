@@ -50,7 +50,7 @@ from collections.abc import Callable, Generator
 
 import torch
 
-from eagle_lab.sampling import SamplingParams, target_probs
+from eagle_lab.sampling import SamplingParams, draw, target_probs
 from eagle_lab.tree import DraftTree
 
 
@@ -171,7 +171,7 @@ def _sampling_steps(tree: DraftTree, generator: torch.Generator | None,
         if accepted_child is None:
             if float(residual.sum()) <= 0.0:  # candidates covered the whole support (float dust)
                 residual = p
-            bonus = int(torch.multinomial(residual, 1, generator=generator))
+            bonus = draw(residual, generator)
             return torch.tensor(path, device=tree.tokens.device), bonus
         node = accepted_child
         path.append(node)

@@ -10,9 +10,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, generate, speculative_decode
 from eagle_lab.ngram import NgramDrafter, NgramProposer, merge_chain
-from eagle_lab.sampling import SamplingParams, target_probs
+from eagle_lab.sampling import SamplingParams, draw, target_probs
 from eagle_lab.tree import build_tree
 from eagle_lab.verify import verify_sampling
 from tests.conftest import NoisyDrafter, small_vocab_target
@@ -39,6 +40,48 @@ def chi_square_pvalue(observed: dict, expected_prob: dict, samples: int) -> floa
         exp.append(pool_exp)
     scale = sum(obs) / sum(exp)
     return float(chisquare(obs, [e * scale for e in exp]).pvalue)
+
+
+# ---- the draw itself: one index from unnormalised weights ----------------------------------
+
+def draw_counts(weights: torch.Tensor, samples: int, seed: int, sampler=draw) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    counts: dict = {}
+    for _ in range(samples):
+        index = sampler(weights, g)
+        counts[index] = counts.get(index, 0) + 1
+    return counts
+
+
+def test_draw_follows_the_weights_and_never_draws_a_zero():
+    # unnormalised, zeros inside and at both ends, one tiny weight (a residual after rejections)
+    weights = torch.tensor([0.0, 0.3, 0.0, 1.2, 1e-3, 0.5, 0.0, 2.0, 0.0])
+    samples = 20000
+    counts = draw_counts(weights, samples, seed=3)
+    expected = {i: float(w / weights.sum()) for i, w in enumerate(weights)}
+    assert all(weights[i] > 0 for i in counts)
+    assert chi_square_pvalue(counts, expected, samples) > ALPHA
+
+
+def test_draw_negative_control_detects_a_shifted_cdf():
+    """The same test rejects an inverse CDF that is off by one index (each index drawn with its
+    left neighbour's weight)."""
+    weights = torch.tensor([0.3, 1.2, 0.5, 2.0])
+    samples = 20000
+
+    def shifted(w, g):
+        cdf = w.double().cumsum(0)
+        u = torch.rand((), generator=g, dtype=torch.float64)
+        return min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)) + 1, w.numel() - 1)
+
+    counts = draw_counts(weights, samples, seed=3, sampler=shifted)
+    expected = {i: float(w / weights.sum()) for i, w in enumerate(weights)}
+    assert chi_square_pvalue(counts, expected, samples) < ALPHA
+
+
+def test_draw_refuses_an_empty_distribution():
+    with pytest.raises(EagleLabError, match="no mass"):
+        draw(torch.zeros(5), None)
 
 
 # ---- verification rule alone: exact p per node, many draws --------------------------------

@@ -159,10 +159,12 @@ class HeadBatch:
 
     def _forward(self, drafter: EagleDrafter, tokens, features, positions, allowed, from_draft: bool):
         """tokens, positions [B, T], features [B, T, F], allowed [B, T, S] bool -> hidden [B, T, H]."""
-        embeds = drafter.target.embed_tokens(tokens)  # [B, T, H]
+        dtype = self.head.fc.weight.dtype  # the head's (head.draft_dtype); target features are cast to it
+        embeds = drafter.target.embed_tokens(tokens).to(dtype)  # [B, T, H]
+        features = features.to(dtype)
         cos, sin = drafter.rotary(embeds, positions)  # [B, T, D] each
-        mask = torch.zeros(allowed.shape, dtype=features.dtype, device=features.device)
-        mask.masked_fill_(~allowed, torch.finfo(features.dtype).min)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=features.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         return self.head(embeds, features, cos, sin, self.cache, mask[:, None], from_draft)  # mask [B, 1, T, S]
 
     def _commit(self, rows: list[Row]) -> torch.Tensor:

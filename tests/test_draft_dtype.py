@@ -1,0 +1,84 @@
+"""A head drafting in its own dtype (head.draft_dtype): bf16 beside an fp32 target where bf16 is native.
+
+Drafts are proposals, so the head's numerics may change which tokens are drafted, never the output:
+greedy output stays plain decoding's, alone and in a server batch, eager and over a static cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle_lab import device
+from eagle_lab.builders import build_head
+from eagle_lab.config import HeadConfig
+from eagle_lab.decoding.backend import StaticBackend
+from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.errors import EagleLabError
+from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.head_kinds import new_head
+from eagle_lab.prompts import as_tensor, encode_prompt
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.serving.batching import BatchScheduler
+from eagle_lab.serving.drafters import drafter_factory
+from eagle_lab.serving.engine import Engine
+from eagle_lab.tree_search.auto import _fingerprint
+from eagle_lab.tree_search.space import TreeSearchConfig
+from tests.scheduler_helpers import plan, run_plans
+from tests.serving_helpers import TINY, serve_config
+
+GREEDY = SamplingParams()
+CPU = torch.device("cpu")
+
+
+def test_auto_drafts_in_bf16_only_beside_an_fp32_target_on_a_native_bf16_cpu(monkeypatch):
+    monkeypatch.setattr(device, "cpu_has_bf16", lambda: True)
+    assert device.drafting_dtype("auto", torch.float32, CPU) == torch.bfloat16
+    assert device.drafting_dtype("auto", torch.bfloat16, CPU) == torch.bfloat16
+    assert device.drafting_dtype("auto", torch.float32, torch.device("cuda")) == torch.float32  # the target's
+    assert device.drafting_dtype("float32", torch.float32, CPU) == torch.float32
+    monkeypatch.setattr(device, "cpu_has_bf16", lambda: False)  # emulated bf16 would be slower
+    assert device.drafting_dtype("auto", torch.float32, CPU) == torch.float32
+    assert device.drafting_dtype("bfloat16", torch.float32, CPU) == torch.bfloat16
+    with pytest.raises(EagleLabError, match="head.draft_dtype"):
+        device.drafting_dtype("int8", torch.float32, CPU)
+
+
+def test_build_head_casts_to_the_drafting_dtype(tiny_llama):
+    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        head = build_head(HeadConfig(path="random", draft_dtype=name), tiny_llama)
+        assert all(p.dtype == dtype for p in head.parameters())
+
+
+def test_tree_auto_calibrations_of_a_bf16_and_an_fp32_head_are_kept_apart(tiny_llama):
+    search = TreeSearchConfig()
+    head = new_head(tiny_llama, seed=1)
+    fp32 = _fingerprint(tiny_llama, EagleDrafter(head, tiny_llama, TreeShape(2, 2, 3)), search)
+    bf16 = _fingerprint(tiny_llama, EagleDrafter(head.to(torch.bfloat16), tiny_llama, TreeShape(2, 2, 3)), search)
+    assert fp32 != bf16
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_bf16_head_keeps_greedy_output_exact(tiny_llama, static):
+    prompt = as_tensor(encode_prompt(tiny_llama.tokenizer, "Tell me a story about a dragon.", chat=False),
+                       tiny_llama.device)
+    backend = StaticBackend(tiny_llama, [4, 16], 64) if static else None
+    drafter = EagleDrafter(new_head(tiny_llama, seed=1).to(torch.bfloat16), tiny_llama, TreeShape(3, 2, 6))
+    plain = generate(vanilla_decode(tiny_llama, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, set()),
+                                    backend=backend))
+    spec = generate(speculative_decode(tiny_llama, drafter, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, set()),
+                                       backend=backend))
+    assert spec.token_ids == plain.token_ids
+    assert drafter.cache.key_buffer.dtype == torch.bfloat16 and drafter.lm_weight.dtype == torch.bfloat16
+    assert spec.stats.tree_tokens > 0  # the head drafted every round
+
+
+def test_a_bf16_head_drafting_in_a_server_batch_keeps_greedy_output_exact(tiny_llama):
+    prototype = EagleDrafter(new_head(tiny_llama, seed=1).to(torch.bfloat16), tiny_llama, TreeShape(3, 2, 6))
+    engine = Engine(serve_config(*TINY), tiny_llama, drafter_factory(prototype))
+    plans = [plan(engine, f"Request {i}: {'z' * (4 * i)} 1 2 1 2", n) for i, n in enumerate((10, 30, 18))]
+    clients = run_plans(BatchScheduler(max_batch=3, max_queue=8, target=engine.target), engine, plans)
+    for client, p in zip(clients, plans):
+        want = generate(vanilla_decode(tiny_llama, as_tensor(p.prompt_ids, tiny_llama.device), GREEDY,
+                                       Stopper(tiny_llama.tokenizer, p.max_tokens, set())))
+        assert client.tokens == want.token_ids
