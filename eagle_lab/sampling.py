@@ -60,7 +60,7 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """One index from [V] non-negative weights (any positive total), with probability weight / total.
 
     Inverse CDF in float64: the law of torch.multinomial(weights, 1), which on a CPU spends about
-    1 ms per draw over a 49k vocabulary (input checks, per-call set-up) against about 0.1 ms here;
+    1 ms per draw over a 49k vocabulary (input checks, per-call set-up) against about 0.1 ms for this;
     plain sampling pays it every token and speculative verification once per round. An index
     with zero weight is never drawn: its CDF step is empty, and `right=True` picks the first
     index whose cumulative weight exceeds u * total."""

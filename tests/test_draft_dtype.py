@@ -58,12 +58,13 @@ def test_tree_auto_calibrations_of_a_bf16_and_an_fp32_head_are_kept_apart(tiny_l
     assert fp32 != bf16
 
 
+@pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
 @pytest.mark.parametrize("static", [False, True])
-def test_a_bf16_head_keeps_greedy_output_exact(tiny_llama, static):
+def test_a_bf16_head_keeps_greedy_output_exact(tiny_llama, static, kind):
     prompt = as_tensor(encode_prompt(tiny_llama.tokenizer, "Tell me a story about a dragon.", chat=False),
                        tiny_llama.device)
     backend = StaticBackend(tiny_llama, [4, 16], 64) if static else None
-    drafter = EagleDrafter(new_head(tiny_llama, seed=1).to(torch.bfloat16), tiny_llama, TreeShape(3, 2, 6))
+    drafter = EagleDrafter(new_head(tiny_llama, kind=kind, seed=1).to(torch.bfloat16), tiny_llama, TreeShape(3, 2, 6))
     plain = generate(vanilla_decode(tiny_llama, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, set()),
                                     backend=backend))
     spec = generate(speculative_decode(tiny_llama, drafter, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, set()),
