@@ -50,7 +50,7 @@ def build_head(cfg: HeadConfig, target: Target) -> EagleHead:
     """The head to draft with, in head.draft_dtype."""
     dtype = drafting_dtype(cfg.draft_dtype, target.dtype, target.device)
     head = _load_or_new_head(cfg, target)
-    if head.fc.weight.dtype != dtype:
+    if head.dtype != dtype:
         log.info("the head drafts in %s", str(dtype).removeprefix("torch."))
     return head.to(dtype)
 

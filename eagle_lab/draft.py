@@ -152,8 +152,9 @@ class EagleDrafter:
         self.head, self.target, self.shape = head.eval(), target, shape
         self.ngram = ngram  # hybrid drafting: an n-gram chain merged into every tree (None: off)
         self.rotary = target.backbone.rotary_emb
-        # [Vd, H] in the head's dtype (a bf16 copy beside an fp32 target: head.draft_dtype)
-        self.lm_weight = draft_lm_head_weight(head, target).to(head.fc.weight.dtype)
+        rows = draft_lm_head_weight(head, target)  # [Vd, H]
+        # in the head's dtype when it reads them (a bf16 copy beside an fp32 target: head.draft_dtype)
+        self.lm_weight = rows.to(head.dtype) if head.reads_target_lm_rows else rows
         # the head step over the head's cache, compiled per row bucket when compiled=True (shared by forks)
         self.runner = HeadStepRunner(self.head, target.backbone.embed_tokens, self.rotary, self.lm_weight, compiled)
         self.cache_capacity = cache_capacity  # head cache slots preallocated per sequence (a static backend's reserve)

@@ -32,6 +32,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(EagleHead):
+    reads_target_lm_rows = False  # its own normalised LM head
+
     def __init__(self, arch: HeadArchitecture):
         nn.Module.__init__(self)
         self.arch = arch

@@ -214,6 +214,8 @@ class DecoderLayer(nn.Module):
 class EagleHead(nn.Module):
     """features [B, T, H] + next-token embeddings [B, T, H] -> predicted next features [B, T, H]."""
 
+    reads_target_lm_rows = True  # draft_logits multiplies by the target's LM-head rows (EAGLE-3 has its own)
+
     def __init__(self, arch: HeadArchitecture):
         super().__init__()
         self.arch = arch
@@ -221,6 +223,11 @@ class EagleHead(nn.Module):
         self.layer = DecoderLayer(arch)
         # draft id -> target id; identity when the draft uses the full vocabulary
         self.register_buffer("draft_to_target", torch.arange(arch.draft_vocab_size), persistent=True)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the head computes in (head.draft_dtype when drafting); its inputs are cast to it."""
+        return self.fc.weight.dtype
 
     @property
     def reduced_vocab(self) -> bool:

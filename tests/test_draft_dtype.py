@@ -70,7 +70,9 @@ def test_a_bf16_head_keeps_greedy_output_exact(tiny_llama, static, kind):
     spec = generate(speculative_decode(tiny_llama, drafter, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, set()),
                                        backend=backend))
     assert spec.token_ids == plain.token_ids
-    assert drafter.cache.key_buffer.dtype == torch.bfloat16 and drafter.lm_weight.dtype == torch.bfloat16
+    assert drafter.cache.key_buffer.dtype == torch.bfloat16
+    # the target's LM-head rows are cast only for a head that multiplies by them (EAGLE-3 has its own)
+    assert drafter.lm_weight.dtype == (torch.bfloat16 if kind == "eagle2" else torch.float32)
     assert spec.stats.tree_tokens > 0  # the head drafted every round
 
 

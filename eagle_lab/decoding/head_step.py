@@ -41,7 +41,7 @@ class HeadStep(nn.Module):
         """last_only: top-k of the last row alone (an eager prompt commit reads nothing else)."""
         rows = tokens.shape[1]
         attention = self.head.layer.self_attn
-        embeds = self.embed_tokens(tokens).to(self.lm_weight.dtype)  # [1, T, H] the target's table, the head's dtype
+        embeds = self.embed_tokens(tokens).to(self.head.dtype)  # [1, T, H] the target's table, the head's dtype
         cos, sin = self.rotary(embeds, positions)  # [1, T, D] each
         attn_in, residual = self.head.inputs(embeds, features, from_draft)  # [1, T, In], [1, T, H]
         query, key, value = attention.project(attn_in, cos, sin)  # [1, nH, T, D], [1, kvH, T, D] x2
@@ -95,7 +95,7 @@ class HeadStepRunner:
         allowed = torch.zeros(padded, width, dtype=torch.bool, device=tokens.device)
         allowed[:rows, :start + rows] = visible
         allowed[rows:, scratch if bucket else 0] = True  # padding rows attend to something (no empty softmax)
-        dtype = self.module.lm_weight.dtype  # the head's (head.draft_dtype); target features are cast to it
+        dtype = self.module.head.dtype  # head.draft_dtype: target features are cast to it
         features = features.to(dtype)
         mask = torch.zeros(padded, width, dtype=dtype, device=tokens.device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)

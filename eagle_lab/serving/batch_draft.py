@@ -159,9 +159,8 @@ class HeadBatch:
 
     def _forward(self, drafter: EagleDrafter, tokens, features, positions, allowed, from_draft: bool):
         """tokens, positions [B, T], features [B, T, F], allowed [B, T, S] bool -> hidden [B, T, H]."""
-        dtype = self.head.fc.weight.dtype  # the head's (head.draft_dtype); target features are cast to it
+        dtype = self.head.dtype  # head.draft_dtype; features come in it, the target's embeddings are cast
         embeds = drafter.target.embed_tokens(tokens).to(dtype)  # [B, T, H]
-        features = features.to(dtype)
         cos, sin = drafter.rotary(embeds, positions)  # [B, T, D] each
         mask = torch.zeros(allowed.shape, dtype=dtype, device=features.device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
@@ -177,7 +176,7 @@ class HeadBatch:
         device = rows[0].sequence.sequence.device
         tokens = torch.zeros(len(rows), length, dtype=torch.long, device=device)  # [B, P]
         unseen = [row.sequence.unseen for row in rows]
-        features = unseen[0].new_zeros(len(rows), length, unseen[0].shape[-1])  # [B, P, F]
+        features = unseen[0].new_zeros(len(rows), length, unseen[0].shape[-1], dtype=self.head.dtype)  # [B, P, F]
         allowed = torch.zeros(len(rows), length, width + length, dtype=torch.bool, device=device)  # [B, P, W + P]
         causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
         steps = torch.arange(length, device=device)

@@ -125,8 +125,8 @@ def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig
         fields["backend"] = {"name": backend.name, "buckets": list(getattr(backend, "buckets", [])),
                              "target_costs": "per bucket",
                              "head_step": "compiled" if drafter.runner.compiled else "eager"}
-    if head.fc.weight.dtype != target.dtype:  # a head drafting in its own dtype costs and accepts differently
-        fields["head_dtype"] = str(head.fc.weight.dtype)
+    if head.dtype != target.dtype:  # a head drafting in its own dtype costs and accepts differently
+        fields["head_dtype"] = str(head.dtype)
     if ngram is not None:  # only then: summaries cached without n-gram stay valid
         fields["ngram"] = {**asdict(ngram), "lengths": ngram_lengths(ngram), "priced": "timed-ngram-rounds"}
     blob = json.dumps(fields, sort_keys=True, default=str)
