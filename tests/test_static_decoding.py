@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
+from eagle_lab.decoding.head_step import ROW_BUCKETS
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
@@ -139,16 +140,64 @@ class TreeLog:
 
 @pytest.mark.slow
 def test_compiled_head_step_drafts_what_the_eager_head_drafts(tiny_llama):
-    """Rows padded to a bucket, attention over the whole head cache, weights frozen: every round's tree
-    is the one the eager head step drafts."""
+    """Rows padded to a bucket, attention over the whole head cache, weights frozen, the prompt's first
+    commit fed 16 rows at a time: every round's tree is the one the eager head step drafts."""
     head = new_head(tiny_llama, seed=2)
+    prompt = prompt_for(tiny_llama)
+    assert prompt.numel() > 2 * ROW_BUCKETS[-1]  # the first commit takes three chunks
     logs = {}
     for compiled in (False, True):
         drafter = EagleDrafter(head, tiny_llama, TreeShape(3, 3, 8), compiled=compiled)
         logs[compiled] = TreeLog()
-        generate(speculative_decode(tiny_llama, drafter, prompt_for(tiny_llama), GREEDY,
+        generate(speculative_decode(tiny_llama, drafter, prompt, GREEDY,
                                     Stopper(tiny_llama.tokenizer, 24, set()), observer=logs[compiled]))
         assert drafter.runner.compiled == compiled
     assert len(logs[True].trees) == len(logs[False].trees) > 3
     for eager, compiled in zip(logs[False].trees, logs[True].trees):
         assert torch.equal(eager.tokens, compiled.tokens) and torch.equal(eager.parents, compiled.parents)
+
+
+@pytest.mark.slow
+def test_compiled_head_commits_a_long_prompt_in_chunks_as_the_eager_head_does(tiny_llama):
+    """A prompt longer than the largest row bucket goes through the compiled head step a chunk at a time:
+    each chunk attends to the earlier ones at their positions, so features and top-k match one eager step."""
+    head = new_head(tiny_llama, seed=3)
+    rows = 2 * ROW_BUCKETS[-1] + 5
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, tiny_llama.vocab_size, (rows,), generator=generator)
+    features = torch.randn(rows, tiny_llama.config.hidden_size, generator=generator)
+    positions = torch.arange(rows)
+    visible = torch.ones(rows, rows, dtype=torch.bool).tril()
+    outs = []
+    for compiled in (False, True):
+        drafter = EagleDrafter(head, tiny_llama, TreeShape(2, 3, 4), compiled=compiled)
+        cache = drafter.new_cache()
+        outs.append(drafter.runner(cache, tokens, features, positions, visible, 3, from_draft=False))
+        assert cache.length == rows
+    (eager_hidden, eager_logp, eager_ids), (hidden, logp, ids) = outs
+    assert hidden.shape == eager_hidden.shape == (rows, tiny_llama.config.hidden_size)
+    assert torch.allclose(hidden, eager_hidden, atol=1e-4)
+    assert torch.equal(ids, eager_ids) and torch.allclose(logp, eager_logp, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_compiled_step_tells_caches_of_one_length_apart_by_their_strides(tiny_llama):
+    """A known step shape runs with only the guards that have told graphs apart (compiled.known_graph), so
+    the step's key must name everything a graph depends on: a 64-position view of a 128-slot cache has the
+    shape of a 64-slot cache but other strides, and must get its own graph."""
+    backend = StaticBackend(tiny_llama, [4], 64, compiled=True)
+    eager = StaticBackend(tiny_llama, [4], 64)
+    prompt = prompt_for(tiny_llama)[:20]
+    small, large = (backend.cache_for(capacity) for capacity in (64, 128))
+    view = large.view(0, 1, 64)
+    tokens, positions = torch.tensor([[5, 6, 7, 8]]), torch.arange(20, 24)[None]
+    mask = backend.mask(torch.ones(4, 4, dtype=torch.bool).tril(), 20, 64)
+    results = []
+    for runner, cache in ((backend, small), (backend, view), (backend, small), (eager, eager.cache_for(64))):
+        cache.set_length(0)
+        prefill_mask = runner.mask(torch.ones(20, 20, dtype=torch.bool).tril(), 0, cache.capacity)
+        runner.forward_eager(cache, prompt[None], torch.arange(20)[None], prefill_mask, ())
+        cache.set_length(20)
+        results.append(runner.step(cache, tokens, positions, mask, ())[2])  # logits [1, 4, V]
+    for logits in results[:3]:
+        assert (logits - results[3]).abs().max() < 1e-3

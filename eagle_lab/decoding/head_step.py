@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_lab.decoding.compiled import CPU_OPTIONS, inductor_cache_dir, inductor_settings, raise_recompile_limits
+from eagle_lab.decoding.compiled import (CPU_OPTIONS, inductor_cache_dir, inductor_settings, known_graph,
+                                         raise_recompile_limits)
 from eagle_lab.head import EagleHead, HeadKVCache
 
 log = logging.getLogger(__name__)
-ROW_BUCKETS = (4, 16)  # rows per compiled head step; more rows (a long prompt's first commit) run eagerly
+ROW_BUCKETS = (4, 16)  # rows per compiled head step; more rows (a prompt's first commit) run 16 at a time
 
 
 class HeadStep(nn.Module):
@@ -85,6 +86,8 @@ class HeadStepRunner:
         cache's length moves past them. -> hidden [T, H], top-k log-probs [T, k], top-k draft ids [T, k]
         (last_only: the top-k of at least the last row, which comes last)."""
         rows, start = tokens.shape[0], cache.length
+        if self.compiled and rows > self.buckets[-1]:
+            return self._in_chunks(cache, tokens, features, positions, visible, k, from_draft, last_only)
         bucket = self.bucket(rows)
         padded = bucket or rows
         cache.reserve(start + padded + 1, like=self.module.head.fc.weight, arch=self.module.head.arch)
@@ -102,9 +105,24 @@ class HeadStepRunner:
         args = (cache.key_buffer[:, :, :width], cache.value_buffer[:, :, :width],
                 _pad(tokens, padded)[None], _pad(features, padded)[None], _pad(positions, padded)[None], slots,
                 mask[None, None], k, from_draft, last_only and not bucket)
-        hidden, top_logp, top_ids = self._run(args, (padded, width, k, from_draft) if bucket else None)
+        hidden, top_logp, top_ids = self._run(args, (padded, width, k, from_draft, args[0].stride()) if bucket else None)
         cache.length = start + rows
         return hidden[0, :rows], top_logp[:rows], top_ids[:rows]
+
+    def _in_chunks(self, cache, tokens, features, positions, visible, k, from_draft, last_only):
+        """More rows than the largest bucket (a prompt's first commit): through the largest compiled step,
+        one chunk after another, each chunk seeing the earlier ones in the cache (arguments as __call__'s)."""
+        size, start = self.buckets[-1], cache.length
+        hidden, top_logp, top_ids = [], [], []
+        for first in range(0, tokens.shape[0], size):
+            last = min(first + size, tokens.shape[0])
+            out = self(cache, tokens[first:last], features[first:last], positions[first:last],
+                       visible[first:last, :start + last], k, from_draft)
+            hidden.append(out[0])
+            if not last_only or last == tokens.shape[0]:
+                top_logp.append(out[1])
+                top_ids.append(out[2])
+        return torch.cat(hidden), torch.cat(top_logp), torch.cat(top_ids)
 
     def _run(self, args, key: tuple | None):
         if key is None:
@@ -112,7 +130,8 @@ class HeadStepRunner:
         settings = CPU_OPTIONS if args[2].device.type == "cpu" else {}
         with inductor_settings(settings):
             if key in self._graphs:
-                return self._fn(*args)
+                with known_graph(args[2].device):
+                    return self._fn(*args)
             start = time.perf_counter()
             out = self._fn(*args)
         self._graphs.add(key)
@@ -122,8 +141,9 @@ class HeadStepRunner:
 
 
 def _pad(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """Zero rows appended along dim 0 up to `rows`."""
+    """Zero rows appended along dim 0 up to `rows`; always contiguous: a graph is specialised on its inputs'
+    strides, which its key does not name (the first level's parent features are one row expanded)."""
     missing = rows - tensor.shape[0]
     if missing == 0:
-        return tensor
+        return tensor.contiguous()
     return torch.cat([tensor, tensor.new_zeros((missing, *tensor.shape[1:]))])

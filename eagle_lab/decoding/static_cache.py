@@ -20,6 +20,8 @@ from transformers import StaticCache
 
 from eagle_lab.errors import EagleLabError
 
+EAGER_BLOCK = 16  # positions an eager forward's attended length is rounded to (views of that length are kept)
+
 
 def _kv_shape(config) -> tuple[int, int]:
     """(key/value heads, head dim) of a decoder config."""
@@ -58,6 +60,11 @@ class StaticKVCache:
             raise ValueError(f"cache length {length} outside [0, {self.capacity}]")
         for layer in self.layers:
             layer.cumulative_length.fill_(length)
+
+    def eager_prefix(self, start: int, rows: int, needed: int) -> StaticKVCache:
+        """A view over little more than `needed` positions, for an eager forward (a prefill): attention then
+        reads the prompt, not the whole capacity (a 46-token prefill over a 1024-slot cache took 1.3-1.5x longer)."""
+        return self.view(start, rows, min(self.capacity, -(-needed // EAGER_BLOCK) * EAGER_BLOCK))
 
     def view(self, start: int, rows: int, length: int) -> StaticKVCache:
         """Rows [start, start + rows) and positions [0, length) of this cache, sharing its storage."""

@@ -28,11 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from eagle_lab.decoding.backend import StaticBackend
-from eagle_lab.decoding.static_cache import StaticKVCache
+from eagle_lab.decoding.static_cache import EAGER_BLOCK, StaticKVCache
 from eagle_lab.errors import EagleLabError
 from eagle_lab.tree import DraftTree
 
-EAGER_BLOCK = 16  # positions an eager forward's attended length is rounded to
 
 
 @dataclass
