@@ -9,6 +9,7 @@ keep the target's distribution when sampling (chi-square, as tests/test_sampling
 import pytest
 import torch
 
+from eagle_lab.decoding import compiled
 from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
 from eagle_lab.decoding.head_step import ROW_BUCKETS
 from eagle_lab.draft import EagleDrafter, TreeShape
@@ -181,10 +182,12 @@ def test_compiled_head_commits_a_long_prompt_in_chunks_as_the_eager_head_does(ti
 
 
 @pytest.mark.slow
-def test_a_compiled_step_tells_caches_of_one_length_apart_by_their_strides(tiny_llama):
-    """A known step shape runs with only the guards that have told graphs apart (compiled.known_graph), so
-    the step's key must name everything a graph depends on: a 64-position view of a 128-slot cache has the
-    shape of a 64-slot cache but other strides, and must get its own graph."""
+def test_a_compiled_step_tells_caches_of_one_length_apart_by_their_strides(tiny_llama, monkeypatch):
+    """A known step shape runs with only the guards that have told graphs apart (compiled.call_known_graph),
+    so the step's key must name everything a graph depends on: a 64-position view of a 128-slot cache has
+    the shape of a 64-slot cache but other strides, and must get its own graph without falling back to
+    evaluating every guard."""
+    monkeypatch.setattr(compiled._GuardSkipping, "enabled", True)
     backend = StaticBackend(tiny_llama, [4], 64, compiled=True)
     eager = StaticBackend(tiny_llama, [4], 64)
     prompt = prompt_for(tiny_llama)[:20]
@@ -201,3 +204,15 @@ def test_a_compiled_step_tells_caches_of_one_length_apart_by_their_strides(tiny_
         results.append(runner.step(cache, tokens, positions, mask, ())[2])  # logits [1, 4, V]
     for logits in results[:3]:
         assert (logits - results[3]).abs().max() < 1e-3
+    assert compiled._GuardSkipping.enabled
+
+
+def test_a_known_shape_call_that_needs_a_new_graph_falls_back_to_every_guard(monkeypatch, caplog):
+    """Under guard skipping dynamo refuses to recompile; the call is made again with every guard instead."""
+    monkeypatch.setattr(compiled._GuardSkipping, "enabled", True)
+    double = torch.compile(lambda x: x * 2, dynamic=False)
+    assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
+    with caplog.at_level("WARNING"):
+        out = compiled.call_known_graph(double, (torch.ones(4),), torch.device("cpu"))  # a shape never compiled
+    assert torch.equal(out, torch.full((4,), 2.0))
+    assert not compiled._GuardSkipping.enabled and "every guard is evaluated" in caplog.text

@@ -19,7 +19,6 @@ refuses graphs that hold MKL-packed weights, which freezing creates for every li
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -57,16 +56,32 @@ def inductor_settings(settings: dict):
     return inductor_config.patch(settings)
 
 
-def known_graph(device: torch.device):
-    """A context for calling a compiled function with inputs of a shape it has already compiled. On CPU,
-    dynamo then evaluates only the guards that tell its graphs apart, not every guard of the chosen one
-    (the target step's guards took 1.3-2 ms per call on a 2-core EPYC, 5-7% of a step). The callers
-    key their graphs by every shape and stride a graph depends on and pass contiguous inputs; should a
-    guard that has told graphs apart fail anyway, dynamo raises instead of recompiling. On CUDA every
-    guard runs (captured graphs read fixed input addresses, which the guards protect)."""
-    if device.type != "cpu":
-        return contextlib.nullcontext()
-    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+class _GuardSkipping:
+    """Whether known-shape calls still skip guard evaluation in this process (see call_known_graph)."""
+
+    enabled = True
+
+
+def call_known_graph(fn, args: tuple, device: torch.device):
+    """fn(*args) for a compiled fn that has already compiled a graph for these inputs' shapes. On CPU,
+    dynamo then evaluates only the guards that have told its graphs apart, not every guard of the chosen
+    one (the target step's guards took 1.3-2 ms per call on a 2-core EPYC, 5-7% of a step). The callers
+    key their graphs by every shape and stride a graph depends on and pass contiguous inputs. Should a
+    guard that has told graphs apart fail anyway, dynamo refuses to recompile under this stance: the call
+    is then made again with every guard (it recompiles), and so is every later one in this process. On
+    CUDA every guard runs (captured graphs read fixed input addresses, which the guards protect)."""
+    if device.type != "cpu" or not _GuardSkipping.enabled:
+        return fn(*args)
+    try:
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return fn(*args)
+    except RuntimeError as err:
+        if "skip_guard_eval_unsafe" not in str(err):
+            raise
+        _GuardSkipping.enabled = False
+        log.warning("a compiled step needed a graph its key did not tell apart; every guard is evaluated "
+                    "from now on in this process (1-2 ms per step): %s", err)
+        return fn(*args)
 
 
 def raise_recompile_limits(graphs: int = 64) -> None:
@@ -164,8 +179,8 @@ class StepCompiler:
             return self.module(cache.hf_cache, input_ids, positions, mask, layer_ids)
         with inductor_settings(self._settings):
             if key in self._graphs:
-                with known_graph(input_ids.device):
-                    return self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
+                return call_known_graph(self._fn, (cache.hf_cache, input_ids, positions, mask, layer_ids),
+                                        input_ids.device)
             return self._first_call(key, cache, input_ids, positions, mask, layer_ids)
 
     def _first_call(self, key, cache, input_ids, positions, mask, layer_ids):

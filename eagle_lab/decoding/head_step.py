@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_lab.decoding.compiled import (CPU_OPTIONS, inductor_cache_dir, inductor_settings, known_graph,
+from eagle_lab.decoding.compiled import (CPU_OPTIONS, inductor_cache_dir, inductor_settings, call_known_graph,
                                          raise_recompile_limits)
 from eagle_lab.head import EagleHead, HeadKVCache
 
@@ -130,8 +130,7 @@ class HeadStepRunner:
         settings = CPU_OPTIONS if args[2].device.type == "cpu" else {}
         with inductor_settings(settings):
             if key in self._graphs:
-                with known_graph(args[2].device):
-                    return self._fn(*args)
+                return call_known_graph(self._fn, args, args[2].device)
             start = time.perf_counter()
             out = self._fn(*args)
         self._graphs.add(key)
