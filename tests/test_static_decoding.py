@@ -197,9 +197,7 @@ def test_a_compiled_step_tells_caches_of_one_length_apart_by_their_strides(tiny_
     mask = backend.mask(torch.ones(4, 4, dtype=torch.bool).tril(), 20, 64)
     results = []
     for runner, cache in ((backend, small), (backend, view), (backend, small), (eager, eager.cache_for(64))):
-        cache.set_length(0)
-        prefill_mask = runner.mask(torch.ones(20, 20, dtype=torch.bool).tril(), 0, cache.capacity)
-        runner.forward_eager(cache, prompt[None], torch.arange(20)[None], prefill_mask, ())
+        runner.prefill(cache, 0, prompt, ())
         cache.set_length(20)
         results.append(runner.step(cache, tokens, positions, mask, ())[2])  # logits [1, 4, V]
     for logits in results[:3]:

@@ -131,9 +131,17 @@ class StaticBackend:
         mask.masked_fill_(~full, torch.finfo(self.target.dtype).min)
         return mask.view(1, 1, k, capacity)
 
-    def forward_eager(self, cache: StaticKVCache, input_ids, positions, mask, layer_ids):
-        """The step without the LM head, eager (prefill): -> hidden [1, T, H], layers [1, T, F] or None."""
-        return self._steps.backbone(cache, input_ids, positions, mask, layer_ids)
+    def prefill(self, cache: StaticKVCache, row: int, prompt_ids: torch.Tensor, layer_ids: tuple[int, ...]):
+        """prompt_ids: [T] into row `row` of the cache from position 0, eagerly (prompt lengths vary), over a
+        view of about the prompt's length, so attention reads the prompt, not the whole capacity.
+        -> hidden [1, T, H], layers [1, T, F] or None. The caller sets the cache's length."""
+        count = prompt_ids.numel()
+        view = cache.eager_prefix(row, 1, count)
+        view.set_length(0)
+        causal = torch.ones(count, count, dtype=torch.bool, device=prompt_ids.device).tril()  # [T, T]
+        mask = self.mask(causal, past=0, capacity=view.capacity)  # [1, 1, T, L]
+        positions = torch.arange(count, device=prompt_ids.device)[None]  # [1, T]
+        return self._steps.backbone(view, prompt_ids[None], positions, mask, layer_ids)
 
     def step(self, cache: StaticKVCache, input_ids, positions, mask, layer_ids):
         """input_ids, positions: [1, K]; mask [1, 1, K, C] -> hidden [1, K, H], layers or None, logits [1, K, V]."""

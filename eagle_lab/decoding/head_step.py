@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_lab.decoding.compiled import (CPU_OPTIONS, inductor_cache_dir, inductor_settings, call_known_graph,
+from eagle_lab.decoding.compiled import (CPU_OPTIONS, call_known_graph, inductor_cache_dir, inductor_settings,
                                          raise_recompile_limits)
 from eagle_lab.head import EagleHead, HeadKVCache
 
@@ -105,7 +105,8 @@ class HeadStepRunner:
         args = (cache.key_buffer[:, :, :width], cache.value_buffer[:, :, :width],
                 _pad(tokens, padded)[None], _pad(features, padded)[None], _pad(positions, padded)[None], slots,
                 mask[None, None], k, from_draft, last_only and not bucket)
-        hidden, top_logp, top_ids = self._run(args, (padded, width, k, from_draft, args[0].stride()) if bucket else None)
+        key = (padded, width, k, from_draft, args[0].stride()) if bucket else None  # the cache's strides too
+        hidden, top_logp, top_ids = self._run(args, key)
         cache.length = start + rows
         return hidden[0, :rows], top_logp[:rows], top_ids[:rows]
 

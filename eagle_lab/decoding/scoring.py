@@ -102,12 +102,7 @@ class StaticScorer:
         count = prompt_ids.numel()
         if count > self.max_context:
             raise EagleLabError(f"the prompt has {count} tokens, more than the cache holds ({self.max_context})")
-        prefix = self.cache.eager_prefix(0, 1, count)  # attention reads the prompt's positions only
-        prefix.set_length(0)
-        causal = torch.ones(count, count, dtype=torch.bool, device=prompt_ids.device).tril()  # [T, T]
-        mask = self.runner.mask(causal, past=0, capacity=prefix.capacity)  # [1, 1, T, L]
-        positions = torch.arange(count, device=prompt_ids.device)[None]  # [1, T]
-        hidden, layers = self.runner.forward_eager(prefix, prompt_ids[None], positions, mask, self.layer_ids)
+        hidden, layers = self.runner.prefill(self.cache, 0, prompt_ids, self.layer_ids)
         self.past = count
         self.cache.set_length(count)
         return _scored(hidden[0], None if layers is None else layers[0],

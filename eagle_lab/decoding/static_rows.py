@@ -33,7 +33,6 @@ from eagle_lab.errors import EagleLabError
 from eagle_lab.tree import DraftTree
 
 
-
 @dataclass
 class Row:
     """A sequence's place in the shared cache: its row (moved by packing) and committed length."""
@@ -103,12 +102,10 @@ class StaticRows:
 
     # ---- forwards ----
 
-    def _length(self, needed: int, rows: int = 1, tokens: int = 0, layer_ids: tuple[int, ...] = ()) -> int:
-        """Positions a forward attends over: `needed` rounded up to a cache block (one graph per length)
-        when compiled; eager forwards have no graphs to share and attend over little more than needed.
-        tokens=0: an eager prefill."""
-        eager = not tokens or self.backend.runs_eager(rows, tokens, layer_ids)
-        block = EAGER_BLOCK if eager else self.backend.cache_block
+    def _length(self, needed: int, rows: int, tokens: int, layer_ids: tuple[int, ...]) -> int:
+        """Positions a step attends over: `needed` rounded up to a cache block (one graph per length)
+        when compiled; eager steps have no graphs to share and attend over little more than needed."""
+        block = EAGER_BLOCK if self.backend.runs_eager(rows, tokens, layer_ids) else self.backend.cache_block
         return min(self.capacity, -(-needed // block) * block)
 
     @torch.no_grad()
@@ -117,13 +114,7 @@ class StaticRows:
         count = prompt_ids.numel()
         if count > self.context:
             raise EagleLabError(f"the prompt has {count} tokens, more than a sequence may hold here ({self.context})")
-        length = self._length(count)
-        view = self.cache.view(row.index, 1, length)
-        view.set_length(0)
-        causal = torch.ones(count, count, dtype=torch.bool, device=prompt_ids.device).tril()  # [T, T]
-        mask = self.backend.mask(causal, past=0, capacity=length)  # [1, 1, T, L]
-        positions = torch.arange(count, device=prompt_ids.device)[None]  # [1, T]
-        hidden, layers = self.backend.forward_eager(view, prompt_ids[None], positions, mask, layer_ids)
+        hidden, layers = self.backend.prefill(self.cache, row.index, prompt_ids, layer_ids)
         row.past = count
         return hidden[0], None if layers is None else layers[0]
 
