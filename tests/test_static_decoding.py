@@ -90,11 +90,27 @@ def test_bad_compile_choice_and_buckets_are_refused(tiny_llama):
     assert isinstance(build_backend(tiny_llama, "auto", DecodingConfig(), planned_tokens=64), EagerBackend)
 
 
+def test_a_compiled_step_attends_over_a_doubling_length_and_an_eager_one_over_what_it_needs(tiny_llama):
+    compiled = StaticBackend(tiny_llama, [4], 64, compiled=True, min_attended_length=16)
+    assert compiled.attended_lengths(192) == [16, 32, 64, 128, 192]
+    needed = (5, 16, 17, 33, 129, 192)
+    assert [compiled.attended_length(n, 192, 1, 4) for n in needed] == [16, 16, 32, 64, 192, 192]
+    whole = StaticBackend(tiny_llama, [4], 64, compiled=True, min_attended_length=0)
+    assert whole.attended_lengths(192) == [192] and whole.attended_length(5, 192, 1, 4) == 192
+    eager = StaticBackend(tiny_llama, [4], 64, min_attended_length=16)  # no graphs: rounded to EAGER_BLOCK
+    assert eager.attended_length(17, 192, 1, 4) == 32 and eager.attended_length(190, 192, 1, 4) == 192
+    with pytest.raises(EagleLabError, match="min_attended_length"):
+        StaticBackend(tiny_llama, [4], 64, min_attended_length=-1)
+
+
 @pytest.mark.slow
 def test_compiled_decoding_equals_eager_greedy(tiny_llama):
-    prompt = prompt_for(tiny_llama)
-    compiled = StaticBackend(tiny_llama, [4, 16], 64, compiled=True)
-    eager = StaticBackend(tiny_llama, [4, 16], 64)
+    """Through steps that attend over 16 to 128 positions of a 192-slot cache: every length is compiled at a
+    shape's first step, over the cache the prompt is in (what that writes is put back)."""
+    prompt = prompt_for(tiny_llama, "The quick brown fox jumps over the lazy dog. " * 3)
+    assert prompt.numel() > 16
+    compiled = StaticBackend(tiny_llama, [4, 16], 64, compiled=True, min_attended_length=16)
+    eager = StaticBackend(tiny_llama, [4, 16], 64, min_attended_length=16)
     runs = {}
     for name, backend in (("compiled", compiled), ("eager", eager)):
         drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(3, 3, 8))
@@ -107,6 +123,8 @@ def test_compiled_decoding_equals_eager_greedy(tiny_llama):
         runs[name] = (plain.token_ids, spec.token_ids, head.token_ids)
         assert plain.token_ids == spec.token_ids == head.token_ids
     assert runs["compiled"] == runs["eager"]
+    lengths = {key[0] for key in compiled._steps._graphs}
+    assert {16, 32, 64, 128} <= lengths  # the step ran over views, each length its own graph
     # logits: compiled against eager on the same cache contents
     scorers = [b.open(prompt.numel(), 8) for b in (compiled, eager)]
     for s in scorers:
@@ -192,14 +210,12 @@ def test_a_compiled_step_tells_caches_of_one_length_apart_by_their_strides(tiny_
     eager = StaticBackend(tiny_llama, [4], 64)
     prompt = prompt_for(tiny_llama)[:20]
     small, large = (backend.cache_for(capacity) for capacity in (64, 128))
-    view = large.view(0, 1, 64)
     tokens, positions = torch.tensor([[5, 6, 7, 8]]), torch.arange(20, 24)[None]
     mask = backend.mask(torch.ones(4, 4, dtype=torch.bool).tril(), 20, 64)
     results = []
-    for runner, cache in ((backend, small), (backend, view), (backend, small), (eager, eager.cache_for(64))):
+    for runner, cache in ((backend, small), (backend, large), (backend, small), (eager, eager.cache_for(64))):
         runner.prefill(cache, 0, prompt, ())
-        cache.set_length(20)
-        results.append(runner.step(cache, tokens, positions, mask, ())[2])  # logits [1, 4, V]
+        results.append(runner.step(cache, 20, 64, tokens, positions, mask, ())[2])  # logits [1, 4, V], 64 positions
     for logits in results[:3]:
         assert (logits - results[3]).abs().max() < 1e-3
     assert compiled._GuardSkipping.enabled

@@ -125,10 +125,10 @@ class StaticScorer:
         full = torch.zeros(bucket, bucket, dtype=torch.bool, device=tokens.device)
         full[:count, :count] = tree_mask
         full[count:, count:] = torch.eye(pad, dtype=torch.bool, device=tokens.device)
-        mask = self.runner.mask(full, self.past, self.cache.capacity)  # [1, 1, K, C]
-        self.cache.set_length(self.past)
-        hidden, layers, logits = self.runner.step(self.cache, padded_tokens[None], (self.past + padded_depths)[None],
-                                                  mask, self.layer_ids)
+        length = self.runner.attended_length(self.past + bucket, self.cache.capacity, 1, bucket, self.layer_ids)
+        mask = self.runner.mask(full, self.past, length)  # [1, 1, K, L]
+        hidden, layers, logits = self.runner.step(self.cache, self.past, length, padded_tokens[None],
+                                                  (self.past + padded_depths)[None], mask, self.layer_ids)
         return _scored(hidden[0, :count], None if layers is None else layers[0, :count], logits[0, :count])
 
     def commit(self, accepted: torch.Tensor) -> None:

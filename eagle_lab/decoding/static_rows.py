@@ -12,7 +12,7 @@ positions (what `StaticCache` does), after the longest committed row:
                                                   entries up to P, its tree at [P, P + n_i)
   input_ids    (B, K)      padded with token 0
   positions    (B, K)      past_i + depth of each node (padding: P + its column)
-  mask         (B, 1, K, L) additive, L = P + K rounded up to a cache block: a node sees row i's past
+  mask         (B, 1, K, L) additive, L = StaticBackend.attended_length of P + K: a node sees row i's past
                            and its ancestors; a padded query (or a row not in this round) sees only itself
 
 Verification then moves row i's accepted entries from P + node to past_i + j, in place. Rows
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle_lab.decoding.backend import StaticBackend
-from eagle_lab.decoding.static_cache import EAGER_BLOCK, StaticKVCache
+from eagle_lab.decoding.static_cache import StaticKVCache
 from eagle_lab.errors import EagleLabError
 from eagle_lab.tree import DraftTree
 
@@ -102,12 +102,6 @@ class StaticRows:
 
     # ---- forwards ----
 
-    def _length(self, needed: int, rows: int, tokens: int, layer_ids: tuple[int, ...]) -> int:
-        """Positions a step attends over: `needed` rounded up to a cache block (one graph per length)
-        when compiled; eager steps have no graphs to share and attend over little more than needed."""
-        block = EAGER_BLOCK if self.backend.runs_eager(rows, tokens, layer_ids) else self.backend.cache_block
-        return min(self.capacity, -(-needed // block) * block)
-
     @torch.no_grad()
     def prefill(self, row: Row, prompt_ids: torch.Tensor, layer_ids: tuple[int, ...] = ()):
         """prompt_ids: [T] into this row alone, eagerly (prompt lengths vary) -> hidden [T, H], layers [T, F] or None."""
@@ -130,7 +124,7 @@ class StaticRows:
         if width + tokens_per_row > self.capacity:
             raise EagleLabError(f"the static batch cache ({self.capacity}) cannot hold {tokens_per_row} more tokens "
                                 f"after {width}")
-        length = self._length(width + tokens_per_row, batch, tokens_per_row, tuple(layer_ids))
+        length = self.backend.attended_length(width + tokens_per_row, self.capacity, batch, tokens_per_row, layer_ids)
         columns = torch.arange(tokens_per_row, device=device)  # [K]
         input_ids = torch.zeros(batch, tokens_per_row, dtype=torch.long, device=device)  # (B, K)
         positions = (width + columns).repeat(batch, 1)  # (B, K)
@@ -144,9 +138,8 @@ class StaticRows:
             allowed[i, :n, width:width + n] = tree.mask.to(device)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        view = self.cache.view(0, batch, length)
-        view.set_length(width)
-        hidden, layers, logits = self.backend.step(view, input_ids, positions, mask[:, None], layer_ids)
+        hidden, layers, logits = self.backend.step(self.cache, width, length, input_ids, positions, mask[:, None],
+                                                   layer_ids, every_length=False)
         out = []
         for row, tree in zip(rows, trees):
             n, i = tree.size, row.index
