@@ -221,6 +221,24 @@ def test_a_compiled_step_tells_caches_of_one_length_apart_by_their_strides(tiny_
     assert compiled._GuardSkipping.enabled
 
 
+@pytest.mark.slow
+def test_two_compiled_backends_on_one_target_each_use_their_own_cache(tiny_llama):
+    """Caches of one shape share a graph (same key); each call must read and write the cache it is given.
+    Hugging Face marks a static cache's tensors as static addresses, which inductor's freezing (CPU) builds
+    into the graph: a second backend's steps then ran on the first one's cache and counters."""
+    prompts = [prompt_for(tiny_llama), prompt_for(tiny_llama, "Once upon a time there was a small green frog")]
+    eager = StaticBackend(tiny_llama, [4], 64)
+    expected = [generate(vanilla_decode(tiny_llama, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 24, set()),
+                                        backend=eager)).token_ids for prompt in prompts]
+    assert expected[0] != expected[1]
+    backends = [StaticBackend(tiny_llama, [4], 64, compiled=True, min_attended_length=16) for _ in prompts]
+    for _ in range(2):  # both alive, in turns, each on its own prompt
+        for backend, prompt, tokens in zip(backends, prompts, expected):
+            result = generate(vanilla_decode(tiny_llama, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 24, set()),
+                                             backend=backend))
+            assert result.token_ids == tokens
+
+
 def test_a_known_shape_call_that_needs_a_new_graph_falls_back_to_every_guard(monkeypatch, caplog):
     """Under guard skipping dynamo refuses to recompile; the call is made again with every guard instead."""
     monkeypatch.setattr(compiled._GuardSkipping, "enabled", True)

@@ -31,6 +31,19 @@ def _kv_shape(config) -> tuple[int, int]:
     return kv_heads, head_dim
 
 
+def _as_graph_inputs(hf_cache: StaticCache) -> None:
+    """Hugging Face marks a static cache's tensors (keys, values, write counter) as static addresses, for
+    CUDA graphs. On CPU, inductor's freezing then builds such tensors into a graph like weights, and dynamo
+    does not guard their identity: another cache of the same shape would run that graph on the first cache's
+    tensors. On CPU they stay ordinary graph inputs (a graph per shape serves every cache); CUDA keeps the
+    marks."""
+    for layer in hf_cache.layers:
+        for name in ("keys", "values", "cumulative_length"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+                tensor.__dict__.pop("_dynamo_static_input_type", None)
+
+
 class StaticKVCache:
     def __init__(self, config, capacity: int, device: torch.device, dtype: torch.dtype, rows: int = 1,
                  hf_cache: StaticCache | None = None):
@@ -44,6 +57,7 @@ class StaticKVCache:
         if hf_cache is None:  # allocated up front, so that views can be taken before the first forward
             kv_heads, head_dim = _kv_shape(config)
             self.hf_cache.early_initialization(rows, kv_heads, head_dim, dtype, device)
+        _as_graph_inputs(self.hf_cache)
         self._views: dict[tuple[int, int, int], StaticKVCache] = {}
 
     @property
