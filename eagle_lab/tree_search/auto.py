@@ -124,6 +124,7 @@ def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig
     if backend is not None and getattr(backend, "name", "eager") != "eager":  # costs differ per backend
         fields["backend"] = {"name": backend.name, "buckets": list(getattr(backend, "buckets", [])),
                              "target_costs": "per bucket",
+                             "min_attended_length": getattr(backend, "min_attended_length", 0),
                              "head_step": "compiled" if drafter.runner.compiled else "eager"}
     if head.dtype != target.dtype:  # a head drafting in its own dtype costs and accepts differently
         fields["head_dtype"] = str(head.dtype)
