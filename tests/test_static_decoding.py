@@ -105,11 +105,11 @@ def test_a_compiled_step_attends_over_a_doubling_length_and_an_eager_one_over_wh
 
 @pytest.mark.slow
 def test_compiled_decoding_equals_eager_greedy(tiny_llama):
-    """Through steps that attend over 16 to 128 positions of a 192-slot cache: every length is compiled at a
+    """Through steps that attend over 16 to 128 positions of a 192-slot cache, every length compiled ahead at a
     shape's first step, over the cache the prompt is in (what that writes is put back)."""
     prompt = prompt_for(tiny_llama, "The quick brown fox jumps over the lazy dog. " * 3)
     assert prompt.numel() > 16
-    compiled = StaticBackend(tiny_llama, [4, 16], 64, compiled=True, min_attended_length=16)
+    compiled = StaticBackend(tiny_llama, [4, 16], 64, compiled=True, min_attended_length=16, compile_ahead=True)
     eager = StaticBackend(tiny_llama, [4, 16], 64, min_attended_length=16)
     runs = {}
     for name, backend in (("compiled", compiled), ("eager", eager)):

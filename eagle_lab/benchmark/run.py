@@ -58,7 +58,7 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
     target = load_target(cfg.target)
     encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]  # checked before any work
     backend = build_backend(target, cfg.compile, cfg.decoding, longest_prompt=max(len(ids) for ids in encoded),
-                            max_new_tokens=cfg.max_new_tokens)
+                            max_new_tokens=cfg.max_new_tokens, compile_ahead=True)  # no compile inside a timed run
     drafters = build_drafters(cfg, target, backend)
     ctx = make_context(cfg, target, drafters, backend)
     log.info("bench: %d prompts from %s, methods %s, temperatures %s -> %s", len(prompts), cfg.bench.dataset,

@@ -36,9 +36,10 @@ class DecodingConfig:
     so a few graphs serve every tree size (a larger tree gets the next power of two, compiled then).
     cache_block: static caches are sized in multiples of this many tokens.
     min_attended_length: a compiled step attends over the first L positions of its cache, L the smallest of
-    this length, its doublings and the cache's capacity that holds the step's tokens; each L is a graph,
-    all compiled at a step shape's first use. Attention reads every position it is given, masked or not (a
-    plain step over a 1,024-slot cache took 3 ms more than over 512 on a 2-core CPU). 0: the whole cache.
+    this length, its doublings and the cache's capacity that holds the step's tokens; each L is a graph
+    (compiled when first needed, or all at a shape's first step: StaticBackend's compile_ahead).
+    Attention reads every position it is given, masked or not (a plain step over a 1,024-slot cache took
+    3 ms more than over 512 on a 2-core CPU). 0: the whole cache.
     compile_min_tokens: compile=auto compiles only when the run will decode at least this many tokens
     (prompts x max_new_tokens; the bench always qualifies): a graph takes 1.5-2.5 min to
     compile on a 2-core CPU and saves tens of ms per token."""
@@ -74,9 +75,11 @@ class StaticBackend:
     """Static caches and the fixed-shape target step (compiled or eager) for one target."""
 
     def __init__(self, target: Target, buckets: list[int], cache_block: int = 512, compiled: bool = False,
-                 per_shape: bool = False, min_attended_length: int = 256):
+                 per_shape: bool = False, min_attended_length: int = 256, compile_ahead: bool = False):
         """per_shape: compile=auto's choice, made again for every step shape (compiled.StepCompiler).
-        min_attended_length: see DecodingConfig."""
+        min_attended_length: see DecodingConfig. compile_ahead: a step shape's first step compiles it for
+        every attended length of its cache (a bench: no compile may fall inside a timed run); otherwise each
+        length compiles when a step first needs it (a sequence that stays short pays for one)."""
         if not buckets or any(b < 1 for b in buckets):
             raise EagleLabError(f"decoding.buckets must be positive token counts, got {list(buckets)}")
         if cache_block < 1:
@@ -88,6 +91,7 @@ class StaticBackend:
         self.slack = max(SLACK, self.buckets[-1])  # cache room kept free past the committed length
         self.cache_block = cache_block
         self.min_attended_length = min_attended_length
+        self.compile_ahead = compile_ahead
         self.compiled = compiled
         self.name = "compiled" if compiled else "static"
         self._caches: dict[int, StaticKVCache] = {}
@@ -170,16 +174,13 @@ class StaticBackend:
             return min(capacity, -(-needed // EAGER_BLOCK) * EAGER_BLOCK)
         return next(length for length in self.attended_lengths(capacity) if length >= needed)
 
-    def step(self, cache: StaticKVCache, start: int, length: int, input_ids, positions, mask, layer_ids,
-             every_length: bool = True):
+    def step(self, cache: StaticKVCache, start: int, length: int, input_ids, positions, mask, layer_ids):
         """input_ids, positions: [R, K] written at positions start .. start + K - 1 of the cache's first R rows,
         attending over its first `length` positions; mask [R, 1, K, length] additive
-        -> hidden [R, K, H], layers [R, K, F] or None, logits [R, K, V].
-        every_length: a shape's first compiled step compiles it for every attended length at once (a server,
-        whose row and token buckets multiply the graphs, compiles each length when a round first needs it)."""
+        -> hidden [R, K, H], layers [R, K, F] or None, logits [R, K, V]."""
         rows, tokens = input_ids.shape
         layer_ids = tuple(layer_ids)
-        if every_length and self.compiled and not self.runs_eager(rows, tokens, layer_ids):
+        if self.compile_ahead and self.compiled and not self.runs_eager(rows, tokens, layer_ids):
             self._compile_every_length(cache, rows, tokens, layer_ids)
         view = cache if (rows, length) == (cache.rows, cache.capacity) else cache.view(0, rows, length)
         view.set_length(start)
@@ -199,15 +200,16 @@ class StaticBackend:
                 continue
             view = cache if (rows, length) == (cache.rows, cache.capacity) else cache.view(0, rows, length)
             start = length - tokens
-            saved = [tensor[:, :, start:length].clone() for layer in view.layers for tensor in (layer.keys, layer.values)]
+            tensors = [tensor for layer in view.layers for tensor in (layer.keys, layer.values)]  # [R, kvH, L, D]
+            saved = [tensor[:, :, start:].clone() for tensor in tensors]  # what the dummy step overwrites
             causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
             mask = self.mask(causal, start, length).expand(rows, -1, -1, -1)  # [R, 1, K, L]
             positions = torch.arange(start, length, device=device).repeat(rows, 1)  # [R, K]
+            input_ids = torch.zeros(rows, tokens, dtype=torch.long, device=device)
             view.set_length(start)
-            self._steps.run(view, torch.zeros(rows, tokens, dtype=torch.long, device=device), positions, mask, layer_ids)
-            tensors = [tensor for layer in view.layers for tensor in (layer.keys, layer.values)]
+            self._steps.run(view, input_ids, positions, mask, layer_ids)
             for tensor, kept in zip(tensors, saved):
-                tensor[:, :, start:length] = kept
+                tensor[:, :, start:] = kept
 
 
 def compile_choice(value) -> str:
@@ -219,14 +221,15 @@ def compile_choice(value) -> str:
 
 
 def build_backend(target: Target, compile: str, cfg: DecodingConfig, planned_tokens: int | None = None,
-                  longest_prompt: int = 0, max_new_tokens: int = 0) -> Backend:
+                  longest_prompt: int = 0, max_new_tokens: int = 0, compile_ahead: bool = False) -> Backend:
     """planned_tokens: what this run will decode (None: open-ended, e.g. a server or a bench).
-    longest_prompt, max_new_tokens: when known up front, every sequence's static cache is sized for them."""
+    longest_prompt, max_new_tokens: when known up front, every sequence's static cache is sized for them.
+    compile_ahead: see StaticBackend."""
     choice = compile_choice(compile)
     if choice == "false":
         return EagerBackend(target)
     compiled = StaticBackend(target, cfg.buckets, cfg.cache_block, compiled=True, per_shape=choice == "auto",
-                             min_attended_length=cfg.min_attended_length)
+                             min_attended_length=cfg.min_attended_length, compile_ahead=compile_ahead)
     if longest_prompt:
         compiled.reserve(longest_prompt, max_new_tokens)
     if choice == "true":

@@ -139,7 +139,7 @@ class StaticRows:
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask.masked_fill_(~allowed, torch.finfo(dtype).min)
         hidden, layers, logits = self.backend.step(self.cache, width, length, input_ids, positions, mask[:, None],
-                                                   layer_ids, every_length=False)
+                                                   layer_ids)
         out = []
         for row, tree in zip(rows, trees):
             n, i = tree.size, row.index
