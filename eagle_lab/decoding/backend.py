@@ -182,7 +182,7 @@ class StaticBackend:
         layer_ids = tuple(layer_ids)
         if self.compile_ahead and self.compiled and not self.runs_eager(rows, tokens, layer_ids):
             self._compile_every_length(cache, rows, tokens, layer_ids)
-        view = cache if (rows, length) == (cache.rows, cache.capacity) else cache.view(0, rows, length)
+        view = cache.view(0, rows, length)
         view.set_length(start)
         return self._steps.run(view, input_ids, positions, mask, layer_ids)
 
@@ -198,7 +198,7 @@ class StaticBackend:
         for length in self.attended_lengths(cache.capacity):
             if length < tokens:
                 continue
-            view = cache if (rows, length) == (cache.rows, cache.capacity) else cache.view(0, rows, length)
+            view = cache.view(0, rows, length)
             start = length - tokens
             tensors = [tensor for layer in view.layers for tensor in (layer.keys, layer.values)]  # [R, kvH, L, D]
             saved = [tensor[:, :, start:].clone() for tensor in tensors]  # what the dummy step overwrites

@@ -81,7 +81,10 @@ class StaticKVCache:
         return self.view(start, rows, min(self.capacity, -(-needed // EAGER_BLOCK) * EAGER_BLOCK))
 
     def view(self, start: int, rows: int, length: int) -> StaticKVCache:
-        """Rows [start, start + rows) and positions [0, length) of this cache, sharing its storage."""
+        """Rows [start, start + rows) and positions [0, length) of this cache, sharing its storage (the cache
+        itself when that is all of it)."""
+        if (start, rows, length) == (0, self.rows, self.capacity):
+            return self
         if not self.initialised:
             raise ValueError("a view of a cache that no forward has allocated")
         key = (start, rows, length)
