@@ -121,7 +121,7 @@ def eagle_drafter(head: EagleHead, target: Target, shape: TreeShape, ngram: Ngra
                    backend: Backend | None) -> EagleDrafter:
     """The head compiles when the target does; its cache is sized like the backend's static caches."""
     return EagleDrafter(head, target, shape, ngram, compiled=getattr(backend, "compiled", False),
-                        cache_capacity=getattr(backend, "min_capacity", 0))
+                        cache_capacity=getattr(backend, "min_capacity", 0), build=getattr(backend, "build", True))
 
 
 def ngram_proposer(cfg: NgramConfig) -> NgramProposer:

@@ -101,8 +101,9 @@ class ServeConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
-    # auto: compile the target step (static cache, torch.compile) where it measured faster on this device
-    # and the run decodes enough to pay for compiling; true: always; false: eager over a dynamic cache
+    # auto: compiled graphs where they exist on this machine (python -m eagle_lab.compile builds them; runs of
+    # decoding.compile_min_tokens or more build what they lack); true: always, building what is missing;
+    # false: eager over a dynamic cache
     compile: str = "auto"
     mode: str = "generate"  # generate | bench | server
     method: str = "eagle"  # eagle | vanilla | ngram | draft_model | medusa
@@ -118,6 +119,8 @@ class ServeConfig:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     output: str = "text"  # text (streamed) | json (one object per prompt)
+    # also decode each prompt plainly (method=vanilla, same backend) and print speed, tau and whether equal
+    compare: bool = False
 
 
 @dataclass

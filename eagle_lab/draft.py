@@ -148,7 +148,8 @@ def grow_dynamic_tree(root: int, scores: torch.Tensor, tokens: torch.Tensor, dep
 
 class EagleDrafter:
     def __init__(self, head: EagleHead, target: Target, shape: TreeShape, ngram: NgramProposer | None = None,
-                 compiled: bool = False, cache_capacity: int = 0):
+                 compiled: bool = False, cache_capacity: int = 0, build: bool = True):
+        """build: whether compiled head steps missing on this machine are compiled here (else run eagerly)."""
         self.head, self.target, self.shape = head.eval(), target, shape
         self.ngram = ngram  # hybrid drafting: an n-gram chain merged into every tree (None: off)
         self.rotary = target.backbone.rotary_emb
@@ -156,7 +157,8 @@ class EagleDrafter:
         # in the head's dtype when it reads them (a bf16 copy beside an fp32 target: head.draft_dtype)
         self.lm_weight = rows.to(head.dtype) if head.reads_target_lm_rows else rows
         # the head step over the head's cache, compiled per row bucket when compiled=True (shared by forks)
-        self.runner = HeadStepRunner(self.head, target.backbone.embed_tokens, self.rotary, self.lm_weight, compiled)
+        self.runner = HeadStepRunner(self.head, target.backbone.embed_tokens, self.rotary, self.lm_weight, compiled,
+                                     build=build)
         self.cache_capacity = cache_capacity  # head cache slots preallocated per sequence (a static backend's reserve)
         self.cache = self.new_cache()
         self.committed = 0  # pairs in the head cache that belong to the committed sequence

@@ -8,6 +8,7 @@ import logging
 import sys
 
 import hydra
+import torch
 from omegaconf import DictConfig
 
 from eagle_lab.builders import METHODS, build_decoder, make_drafter, make_generator, ngram_proposer
@@ -67,36 +68,63 @@ def run(raw: DictConfig) -> None:
     backend = build_backend(target, cfg.compile, cfg.decoding, planned_tokens=planned,
                             longest_prompt=max(len(ids) for ids in encoded), max_new_tokens=cfg.max_new_tokens)
     drafter = make_drafter(cfg, target, backend, planned)
-    eos = set() if cfg.ignore_eos else target.eos_token_ids
     for index, ids in enumerate(encoded):
-        generator = make_generator(cfg.seed, target.device)
-        stopper = Stopper(target.tokenizer, cfg.max_new_tokens, eos, cfg.stop)
-        decoder = build_decoder(cfg.method, target, drafter, as_tensor(ids, target.device), params, stopper, generator,
-                                backend)
+        prompt = as_tensor(ids, target.device)
         stream = TextStream(target.tokenizer, cfg.stop, out=sys.stdout if cfg.output == "text" else NullOut())
-        while True:
-            try:
-                stream.push(next(decoder))
-            except StopIteration as done:
-                stats = done.value
-                break
+        stats = _decode(cfg, target, drafter, backend, prompt, params, cfg.method, stream.push)
         text = stream.finish()
         if stats.stop_reason == "context":
             log.warning("prompt %d: stopped at the target's context limit (%d tokens)", index, target.max_context)
+        plain = None
+        if cfg.compare and cfg.method != "vanilla":
+            plain_ids: list[int] = []
+            plain = _decode(cfg, target, drafter, backend, prompt, params, "vanilla", plain_ids.extend)
+            plain_ids_equal = plain_ids == stream.ids
         if cfg.output == "json":
-            print(json.dumps({
+            record = {
                 "index": index, "method": cfg.method, "text": text, "token_ids": stream.ids,
                 "new_tokens": stats.new_tokens, "target_forwards": stats.target_forwards,
                 "accept_length": round(stats.accept_length, 4), "wall_s": round(stats.wall_s, 4),
-                "tokens_per_s": round(stats.new_tokens / max(stats.wall_s, 1e-9), 3),
+                "tokens_per_s": round(_speed(stats), 3),
                 "stop_reason": stats.stop_reason, "prompt_tokens": len(ids),
                 "accepted_draft_tokens": stats.accepted_draft_tokens,
                 "accepted_ngram_tokens": stats.accepted_ngram_tokens,
-            }), flush=True)
+            }
+            if plain is not None:
+                record.update({"plain_tokens_per_s": round(_speed(plain), 3),
+                               "speedup": round(_speed(stats) / max(_speed(plain), 1e-9), 3),
+                               "identical_to_plain": plain_ids_equal, "backend": backend_name(backend)})
+            print(json.dumps(record), flush=True)
+        elif plain is not None:
+            print(f"\n[{cfg.method} {_speed(stats):.1f} tok/s, tau {stats.accept_length:.2f} | plain "
+                  f"{_speed(plain):.1f} tok/s | {_speed(stats) / max(_speed(plain), 1e-9):.2f}x | output "
+                  f"{'identical to' if plain_ids_equal else 'DIFFERENT from'} plain decoding | "
+                  f"{backend_name(backend)}, {torch.get_num_threads()} threads]", flush=True)
         log.info("prompt %d: %d tokens in %.2fs (%.2f tok/s), %d target forwards, tau %.2f, stop=%s%s", index,
-                 stats.new_tokens, stats.wall_s, stats.new_tokens / max(stats.wall_s, 1e-9),
+                 stats.new_tokens, stats.wall_s, _speed(stats),
                  stats.target_forwards, stats.accept_length, stats.stop_reason,
                  f", n-gram share of accepted drafts {stats.ngram_share:.2f}" if stats.ngram_tree_tokens else "")
+
+
+def _speed(stats) -> float:
+    return stats.new_tokens / max(stats.wall_s, 1e-9)
+
+
+def backend_name(backend) -> str:
+    return "compiled" if getattr(backend, "compiled", False) else "eager"
+
+
+def _decode(cfg: ServeConfig, target, drafter, backend, prompt, params: SamplingParams, method: str, push):
+    """One prompt through `method`, each step's new tokens handed to `push`; -> the run's stats."""
+    eos = set() if cfg.ignore_eos else target.eos_token_ids
+    stopper = Stopper(target.tokenizer, cfg.max_new_tokens, eos, cfg.stop)
+    decoder = build_decoder(method, target, drafter, prompt, params, stopper, make_generator(cfg.seed, target.device),
+                            backend)
+    while True:
+        try:
+            push(next(decoder))
+        except StopIteration as done:
+            return done.value
 
 
 @hydra.main(config_path="conf", config_name="serve", version_base="1.3")

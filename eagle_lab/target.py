@@ -19,6 +19,7 @@ from eagle_lab.device import resolve_device, resolve_dtype
 from eagle_lab.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
 from eagle_lab.model_shape import ModelShape
+from eagle_lab.quantized import quantize_decoder
 from eagle_lab.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ class TargetConfig:
     max_context: int = 0  # 0: the model's max_position_embeddings
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
+    # the decoder's linear weights: fp32 (as loaded) | int8 | int4 (groups of 32, GGUF Q4_1's layout); CPU only
+    weights: str = "fp32"
 
 
 @dataclass
@@ -47,8 +50,9 @@ class TargetOutput:
 class Target(ModelShape):
     """A frozen causal LM plus its tokenizer, with the few operations decoding needs."""
 
-    def __init__(self, model, tokenizer, name: str, max_context: int = 0):
+    def __init__(self, model, tokenizer, name: str, max_context: int = 0, weights: str = "fp32"):
         self.model = model.eval().requires_grad_(False)
+        self.weights = weights  # the decoder's linear weights (eagle_lab.quantized)
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
@@ -149,13 +153,17 @@ def load_target(cfg: TargetConfig) -> Target:
             raise EagleLabError(f"target '{cfg.name}' has source=pretrained but no target.path")
         model, tokenizer = _load_pretrained(path, dtype, cfg)
     model = model.to(device=device, dtype=dtype)
+    replaced = quantize_decoder(model, cfg.weights)
+    if replaced:
+        log.info("target weights: %d decoder linear layers in %s (embeddings and LM head as loaded)", replaced,
+                 cfg.weights)
     log.info("target %s: %s, %d layers, hidden %d, vocab %d on %s/%s", cfg.name, model.config.model_type,
              model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size, device, dtype)
     if dtype in (torch.bfloat16, torch.float16):
         log.info("target in %s: a position's logits move with the number of tokens its forward scores (the dtype's "
                  "rounding; measure it with python -m eagle_lab.benchmark.numerics dtype=...), so greedy speculative "
                  "output can part from plain decoding's at near-ties; float32 keeps them equal", dtype)
-    return Target(model, tokenizer, cfg.name, cfg.max_context)
+    return Target(model, tokenizer, cfg.name, cfg.max_context, cfg.weights)
 
 
 def _load_pretrained(path: str, dtype: torch.dtype, cfg: TargetConfig):

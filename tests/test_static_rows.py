@@ -150,12 +150,13 @@ def test_compile_auto_keeps_the_faster_step_per_shape(tiny_llama, monkeypatch, t
         backend = StaticBackend(tiny_llama, [4, 8, 16], cache_block=64, compiled=True, per_shape=True)
         eager = backend._steps.module
 
-        def slow(*args):
-            calls.append(args[1].shape)
+        def slow(cache, *args):
+            calls.append(args[0].shape)
             time.sleep(0.02)
-            return eager(*args)
+            return eager(cache.hf_cache, *args)
 
-        backend._steps._fn = slow  # stands in for a compiled graph that is slower than eager on this shape
+        # stands in for a compiled graph that is slower than eager on this shape
+        backend._steps._graph_for = lambda *args: slow
         return backend
 
     backend = slow_backend()

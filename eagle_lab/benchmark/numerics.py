@@ -1,5 +1,6 @@
 """How far a target's logits move with the number of rows a forward carries:
-python -m eagle_lab.benchmark.numerics [dtype=float32|bfloat16] [tokens=32] [prompts=4] [extra=3,15]
+python -m eagle_lab.benchmark.numerics [dtype=float32|bfloat16] [weights=fp32|int8|int4] [tokens=32] [prompts=4]
+    [extra=3,15]
 
 A speculative round scores a position inside a tree of N tokens; plain decoding scores it alone.
 Mathematically the logits are the same, but the kernels differ with the row count (blocking,
@@ -65,19 +66,20 @@ def measure_shape_noise(target: Target, prompts: list[list[int]], tokens: int, e
 
 
 def main(argv: list[str]) -> None:
-    args = key_values("numerics", argv, ("dtype", "tokens", "prompts", "extra"))
+    args = key_values("numerics", argv, ("dtype", "weights", "tokens", "prompts", "extra"))
     try:
-        target = load_target(TargetConfig(device="cpu", dtype=args.get("dtype", "float32")))
+        target = load_target(TargetConfig(device="cpu", dtype=args.get("dtype", "float32"),
+                                          weights=args.get("weights", "fp32")))
         tokens, count = int(args.get("tokens", 32)), int(args.get("prompts", 4))
         extra = tuple(int(k) for k in args.get("extra", "3,15").split(","))
     except (EagleLabError, ValueError) as err:
         raise SystemExit(f"numerics: {err}") from None
     prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in CALIBRATION_PROMPTS[:count]]
     noise = measure_shape_noise(target, prompts, tokens, extra)
-    print(f"| dtype | positions | max abs dlogit (alone vs +{'/+'.join(map(str, extra))} rows) | greedy flips "
+    print(f"| dtype | weights | positions | max abs dlogit (alone vs +{'/+'.join(map(str, extra))} rows) | greedy flips "
           "| positions with top-2 within 2x that |")
-    print("|---|---:|---:|---:|---:|")
-    print(f"| {target.dtype} | {noise.positions} | {noise.max_abs_dlogit:.2e} | {noise.argmax_flips} "
+    print("|---|---|---:|---:|---:|---:|")
+    print(f"| {target.dtype} | {target.weights} | {noise.positions} | {noise.max_abs_dlogit:.2e} | {noise.argmax_flips} "
           f"| {noise.near_ties} |")
 
 

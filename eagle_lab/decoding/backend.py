@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from eagle_lab.decoding.compiled import StepCompiler, can_compile, choose
+from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.decoding.scoring import DynamicScorer, Scorer, StaticScorer
 from eagle_lab.decoding.static_cache import EAGER_BLOCK, StaticKVCache
 from eagle_lab.errors import EagleLabError
@@ -40,14 +41,22 @@ class DecodingConfig:
     (compiled when first needed, or all at a shape's first step: StaticBackend's compile_ahead).
     Attention reads every position it is given, masked or not (a plain step over a 1,024-slot cache took
     3 ms more than over 512 on a 2-core CPU). 0: the whole cache.
-    compile_min_tokens: compile=auto compiles only when the run will decode at least this many tokens
-    (prompts x max_new_tokens; the bench always qualifies): a graph takes 1.5-2.5 min to
-    compile on a 2-core CPU and saves tens of ms per token."""
+    cache_capacity: a single sequence's static cache holds at least this many positions (more when its
+    prompt and max_new_tokens need it), so that sequences of different lengths share graphs: a graph is
+    specialised on the strides of the cache it writes, which follow the capacity.
+    frozen_weights: on CPU, compile the target step with its weights frozen and prepacked into each graph
+    (graph_store.py): faster where inductor's C++ GEMM template beats MKL at a few rows, at the cost of
+    the weights' size on disk per graph and minutes of autotuning per graph.
+    compile_min_tokens: compile=auto builds missing graphs only when the run will decode at least this many
+    tokens (prompts x max_new_tokens; the bench and the server always qualify); a shorter run uses the graphs
+    already built on this machine (`python -m eagle_lab.compile`) and runs the other shapes eagerly."""
 
-    buckets: list[int] = field(default_factory=lambda: [4, 8, 16])
+    buckets: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
     cache_block: int = 512
     min_attended_length: int = 256
+    cache_capacity: int = 2048
     compile_min_tokens: int = 2048
+    frozen_weights: bool = False
 
 
 class Backend(Protocol):
@@ -75,11 +84,14 @@ class StaticBackend:
     """Static caches and the fixed-shape target step (compiled or eager) for one target."""
 
     def __init__(self, target: Target, buckets: list[int], cache_block: int = 512, compiled: bool = False,
-                 per_shape: bool = False, min_attended_length: int = 256, compile_ahead: bool = False):
+                 per_shape: bool = False, min_attended_length: int = 256, compile_ahead: bool = False,
+                 build: bool = True, cache_capacity: int = 0, frozen_weights: bool = False):
         """per_shape: compile=auto's choice, made again for every step shape (compiled.StepCompiler).
         min_attended_length: see DecodingConfig. compile_ahead: a step shape's first step compiles it for
         every attended length of its cache (a bench: no compile may fall inside a timed run); otherwise each
-        length compiles when a step first needs it (a sequence that stays short pays for one)."""
+        length compiles when a step first needs it (a sequence that stays short pays for one).
+        build: whether missing graphs are compiled here (else those shapes run eagerly). cache_capacity: see
+        DecodingConfig."""
         if not buckets or any(b < 1 for b in buckets):
             raise EagleLabError(f"decoding.buckets must be positive token counts, got {list(buckets)}")
         if cache_block < 1:
@@ -92,18 +104,23 @@ class StaticBackend:
         self.cache_block = cache_block
         self.min_attended_length = min_attended_length
         self.compile_ahead = compile_ahead
-        self.compiled = compiled
+        self.compiled, self.build = compiled, build
         self.name = "compiled" if compiled else "static"
         self._caches: dict[int, StaticKVCache] = {}
-        self.min_capacity = 0  # reserve(): every sequence gets at least this much cache, so one graph serves all
-        self._steps = StepCompiler(target, compiled, per_shape)
+        # every sequence gets at least this much cache (reserve() raises it), so one graph serves all
+        self.min_capacity = self._round_capacity(cache_capacity) if cache_capacity else 0
+        self._steps = StepCompiler(target, compiled, per_shape, build=build, store=GraphStore(frozen=frozen_weights))
+        self.packages = self._steps.packages  # compiled graphs kept on disk (CPU)
         self._every_length_compiled: set[tuple] = set()  # (cache capacity and strides, rows, tokens, layer_ids)
 
     def open(self, prompt_tokens: int, max_new_tokens: int, layer_ids: tuple[int, ...] = ()) -> Scorer:
-        need = prompt_tokens + max_new_tokens + self.slack
-        limit = self.target.max_context + self.slack
-        capacity = -(-min(need, limit) // self.cache_block) * self.cache_block  # round up to a block
+        capacity = self._round_capacity(prompt_tokens + max_new_tokens + self.slack)
         return StaticScorer(self, max(capacity, self.min_capacity), layer_ids)
+
+    def _round_capacity(self, need: int) -> int:
+        """`need` positions rounded up to a block, at most the target's context plus the slack."""
+        limit = self.target.max_context + self.slack
+        return -(-min(need, limit) // self.cache_block) * self.cache_block
 
     def reserve(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Size every later sequence's cache for the longest prompt known in advance (a bench, a prompts file):
@@ -133,6 +150,10 @@ class StaticBackend:
     def runs_eager(self, rows: int, tokens: int, layer_ids: tuple[int, ...] = ()) -> bool:
         """Whether a step of this shape runs eagerly (no graph: it may attend over any length)."""
         return self._steps.runs_eager(rows, tokens, layer_ids)
+
+    def has_graphs(self) -> bool:
+        """Whether compiled graphs of this target's plain step were built on this machine (loaded, not built)."""
+        return self._steps.has_graphs(self.cache_for(max(self.min_capacity, self.cache_block)))
 
     def mask(self, allowed: torch.Tensor, past: int, capacity: int) -> torch.Tensor:
         """allowed: [K, K] bool among the new tokens -> additive [1, 1, K, capacity]: the prefix [0, past)
@@ -228,17 +249,24 @@ def build_backend(target: Target, compile: str, cfg: DecodingConfig, planned_tok
     choice = compile_choice(compile)
     if choice == "false":
         return EagerBackend(target)
+    short = choice == "auto" and planned_tokens is not None and planned_tokens < cfg.compile_min_tokens
+    if choice == "true" or not short:
+        ok, why = can_compile(target.device)
+        if not ok:
+            if choice == "true":
+                raise EagleLabError(f"compile=true, but {why}; use compile=false")
+            log.info("compile=auto: eager decoding (%s)", why)
+            return EagerBackend(target)
     compiled = StaticBackend(target, cfg.buckets, cfg.cache_block, compiled=True, per_shape=choice == "auto",
-                             min_attended_length=cfg.min_attended_length, compile_ahead=compile_ahead)
+                             min_attended_length=cfg.min_attended_length, compile_ahead=compile_ahead,
+                             build=not short, cache_capacity=cfg.cache_capacity, frozen_weights=cfg.frozen_weights)
     if longest_prompt:
         compiled.reserve(longest_prompt, max_new_tokens)
     if choice == "true":
-        ok, why = can_compile(target.device)
-        if not ok:
-            raise EagleLabError(f"compile=true, but {why}; use compile=false")
         return compiled
-    if planned_tokens is not None and planned_tokens < cfg.compile_min_tokens:
-        log.info("compile=auto: eager decoding for %d tokens (compiling pays from about %d; compile=true forces it)",
-                 planned_tokens, cfg.compile_min_tokens)
+    if short and not (compiled.packages and compiled.has_graphs()):
+        log.info("compile=auto: eager decoding: no compiled graphs for this target on this machine yet (build them "
+                 "once with `python -m eagle_lab.compile`; a run of %d tokens or more builds what it lacks)",
+                 cfg.compile_min_tokens)
         return EagerBackend(target)
     return choose(target, compiled, EagerBackend(target))

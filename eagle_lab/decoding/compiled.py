@@ -1,20 +1,17 @@
-"""The target's fixed-shape step, compiled with torch.compile, and compile=auto's choice.
+"""The target's fixed-shape step, compiled, and compile=auto's choice.
 
-On CPU the step is compiled with inductor's C++ GEMM template over frozen (prepacked)
-weights (`max_autotune`, backends CPP and ATEN, `freezing`): a skinny matmul then runs at
-the memory floor up to a few rows, where eager MKL spends 2-3x longer. On CUDA it is
-compiled with `mode="reduce-overhead"` (captured CUDA graphs). Each (bucket, cache
-capacity) is one graph; the first call of each compiles it and says so with its time.
+On CPU each step shape is an AOTInductor package (graph_store.py): built once on a machine (about
+half a minute a graph on 2 cores), loaded by every later process in milliseconds, and bound to the
+target's own weights. On CUDA the step is compiled with `torch.compile(mode="reduce-overhead")`
+(captured CUDA graphs) in each process. Each (rows, tokens, attended length, cache layout) is one
+graph.
+
+`build=False` (compile=auto in a short run) never compiles: a shape whose package is missing runs
+eagerly over the same static cache, and the run says once how to build the packages.
 
 With `per_shape` (compile=auto), each newly compiled (rows, tokens) shape is then timed against
 the eager step on the same inputs, and the faster one serves that shape from then on: on some
-CPUs the compiled step is faster at one row and slower than eager MKL at several (a 2-core AMX
-Xeon, same inputs: 8 rows x 1 token, 266.6 ms compiled against 228.1 ms eager).
-
-Inductor's artifacts (autotuning results, generated kernels) go under
-`<cache>/inductor` (`$TORCHINDUCTOR_CACHE_DIR` wins when set), where a later process
-finds them. The step's whole graph is compiled again in each process: inductor's graph cache
-refuses graphs that hold MKL-packed weights, which freezing creates for every linear layer.
+CPUs the compiled step is faster at one row and slower than eager MKL at several.
 """
 
 from __future__ import annotations
@@ -30,6 +27,9 @@ import time
 import torch
 from torch import nn
 
+from transformers import StaticCache
+
+from eagle_lab.decoding.graph_store import GraphStore, cpu_features
 from eagle_lab.embedded import cache_root
 from eagle_lab.target import Target
 
@@ -124,28 +124,49 @@ class _Step(nn.Module):
         return hidden, layers, self.lm_head(hidden).float()  # logits [R, K, V]
 
 
+class _FlatStep(nn.Module):
+    """`_Step` over a static cache's tensors passed as plain inputs (what torch.export takes): per layer
+    (keys [R, kvH, L, D], values, write counter []), all written in place. A private Hugging Face cache
+    object carries them into the model's code."""
+
+    def __init__(self, step: _Step, cache, layer_ids: tuple[int, ...]):
+        super().__init__()
+        self.step, self.layer_ids = step, layer_ids
+        self.carrier = StaticCache(config=cache.config, max_cache_len=cache.capacity)
+        for own, layer in zip(cache.layers, self.carrier.layers):
+            layer.lazy_initialization(own.keys[:1, :, :1], own.values[:1, :, :1])  # dtype, device, heads
+            layer.batch_size = cache.rows
+
+    def forward(self, input_ids, positions, mask, kv):
+        for layer, (keys, values, written) in zip(self.carrier.layers, kv):
+            layer.keys, layer.values, layer.cumulative_length = keys, values, written
+        hidden, layers, logits = self.step(self.carrier, input_ids, positions, mask, self.layer_ids)
+        return (hidden, logits) if layers is None else (hidden, layers, logits)
+
+
+def _cache_inputs(cache) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values, layer.cumulative_length) for layer in cache.layers]
+
+
 class StepCompiler:
-    """Runs the step eagerly or through torch.compile; logs each graph's first (compiling) call.
+    """Runs the step eagerly or compiled (packages on CPU, torch.compile on CUDA).
+    build: whether a missing package may be compiled in this process (else that shape runs eagerly).
     per_shape: after compiling a shape, keep whichever of compiled and eager timed faster for it."""
 
-    def __init__(self, target: Target, compiled: bool, per_shape: bool = False):
-        self.target, self.compiled, self.per_shape = target, compiled, per_shape
+    def __init__(self, target: Target, compiled: bool, per_shape: bool = False, build: bool = True,
+                 store: GraphStore | None = None):
+        self.target, self.compiled, self.per_shape, self.build = target, compiled, per_shape, build
         self.module = _Step(target).eval()
-        self._graphs: set[tuple] = set()
+        self._graphs: dict[tuple, object] = {}  # key -> the compiled callable serving it
+        self._missing: set[tuple] = set()  # keys with no package, run eagerly (build=False)
         self._eager_shapes: set[tuple] = set()  # (rows, tokens, layer_ids) that eager serves faster
         self._cached: dict[tuple, dict | None] = {}  # shape -> verdict an earlier process saved (None: none)
-        self._fn = self.module
-        self._settings: dict = {}
-        if compiled:
-            inductor_cache_dir()
+        self.packages = compiled and target.device.type == "cpu"
+        self.store = store or GraphStore()
+        self._fn = None
+        if compiled and not self.packages:
             raise_recompile_limits()
-            if target.device.type == "cuda":
-                self._fn = torch.compile(self.module, dynamic=False, mode="reduce-overhead")
-            else:
-                # inductor reads freezing outside torch.compile(options=...): the settings are patched around
-                # each call instead (a recompile may happen on any call)
-                self._fn = torch.compile(self.module, dynamic=False)
-                self._settings = CPU_OPTIONS
+            self._fn = torch.compile(self.module, dynamic=False, mode="reduce-overhead")
 
     @torch.no_grad()
     def backbone(self, cache, input_ids, positions, mask, layer_ids):
@@ -169,44 +190,97 @@ class StepCompiler:
         rows, tokens, layer_ids = shape
         return f"{_choice_key(self.target)}:{rows}x{tokens}:{','.join(map(str, layer_ids))}"
 
+    def _constants(self, layer_ids: tuple[int, ...]) -> dict:
+        return {"layers": layer_ids, "model": self.target.config.to_json_string(use_diff=False)}
+
+    def package_key(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]) -> str:
+        """The store's key of the package that serves these inputs (cache: a StaticKVCache or view)."""
+        flat = _FlatStep(self.module, cache, layer_ids)
+        return self.store.key("target-step", flat, (input_ids, positions, mask, _cache_inputs(cache.hf_cache)),
+                              self._constants(layer_ids))
+
+    def has_graphs(self, cache) -> bool:
+        """Whether any plain-step package for this target (over caches like `cache`) was built on this machine."""
+        if not self.packages:
+            return self.compiled
+        return self.store.has_family(self.store.family("target-step", _FlatStep(self.module, cache, ()),
+                                                       self._constants(())))
+
     @torch.no_grad()
     def run(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
-        # a graph is specialised on strides too, which the key does not name: inputs are made contiguous
+        # a graph is specialised on strides too: inputs are made contiguous
         input_ids, positions, mask = input_ids.contiguous(), positions.contiguous(), mask.contiguous()
         # the cache's strides too: two views of one length over caches of different capacities are one shape
         key = (cache.capacity, input_ids.shape[0], input_ids.shape[1], layer_ids, cache.layers[0].keys.stride())
-        if self.runs_eager(input_ids.shape[0], input_ids.shape[1], layer_ids):
+        if self.runs_eager(input_ids.shape[0], input_ids.shape[1], layer_ids) or key in self._missing:
             return self.module(cache.hf_cache, input_ids, positions, mask, layer_ids)
-        with inductor_settings(self._settings):
-            if key in self._graphs:
-                return call_known_graph(self._fn, (cache.hf_cache, input_ids, positions, mask, layer_ids),
-                                        input_ids.device)
-            return self._first_call(key, cache, input_ids, positions, mask, layer_ids)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            return graph(cache, input_ids, positions, mask, layer_ids)
+        return self._first_call(key, cache, input_ids, positions, mask, layer_ids)
+
+    def _graph_for(self, key, cache, input_ids, positions, mask, layer_ids):
+        """The compiled callable for `key` (loaded, built or, on CUDA, compiled on its first call), or None
+        when its package is missing and may not be built."""
+        if not self.packages:
+            fn = self._fn
+            return lambda c, *args: call_known_graph(fn, (c.hf_cache, *args), c.device) if key in self._graphs \
+                else fn(c.hf_cache, *args)
+        flat = _FlatStep(self.module, cache, layer_ids)
+        args = (input_ids, positions, mask, _cache_inputs(cache.hf_cache))
+        store_key = self.package_key(cache, input_ids, positions, mask, layer_ids)
+        what = f"the target step for {_shape_name(key[1], key[2])} over {cache.capacity} positions"
+        # export traces on fake tensors: building writes nothing into the cache
+        runner = self.store.load_or_build(store_key, flat, args, what) if self.build else self.store.load(store_key, flat)
+        if runner is None:
+            return None
+
+        def call(c, ids, pos, msk, ids_layers):
+            out = runner(ids, pos, msk, _cache_inputs(c.hf_cache))
+            return (out[0], None, out[1]) if len(out) == 2 else tuple(out)
+        return call
 
     def _first_call(self, key, cache, input_ids, positions, mask, layer_ids):
-        capacity, rows, tokens = key[:3]
+        rows, tokens = key[1:3]
         shape = _shape_name(rows, tokens)
-        log.info("compiling the target step for %s over a %d-token cache (minutes on a small CPU, in every "
-                 "process; autotuning and kernels kept in %s make later compiles shorter)", shape, capacity,
-                 inductor_cache_dir())
         start, written_from = time.perf_counter(), int(cache.layers[0].cumulative_length)
-        out = self._fn(cache.hf_cache, input_ids, positions, mask, layer_ids)
-        self._graphs.add(key)
-        log.info("compiled the %s step in %.0f s", shape, time.perf_counter() - start)
+        graph = self._graph_for(key, cache, input_ids, positions, mask, layer_ids)
+        if graph is None:
+            self._missing.add(key)
+            _hint_once()
+            return self.module(cache.hf_cache, input_ids, positions, mask, layer_ids)
+        cache.set_length(written_from)
+        out = graph(cache, input_ids, positions, mask, layer_ids)
+        self._graphs[key] = graph
+        if not self.packages:
+            log.info("compiled the %s step in %.0f s", shape, time.perf_counter() - start)
         if not self.per_shape:
             return out
         if self._cached.get((rows, tokens, layer_ids)) is not None:
-            return out  # timed by an earlier process: compiled won
-        args = (cache.hf_cache, input_ids, positions, mask, layer_ids)
-        compiled_ms = _timed_ms(self._fn, cache, args, written_from)
-        eager_ms = _timed_ms(self.module, cache, args, written_from)
-        _save_verdict(self._shape_key((rows, tokens, layer_ids)), compiled_ms, eager_ms)
+            return out  # timed by an earlier process
+        args = (cache, input_ids, positions, mask, layer_ids)
+        compiled_ms = _timed_ms(graph, cache, args, written_from)
+        eager_ms = _timed_ms(lambda c, *rest: self.module(c.hf_cache, *rest), cache, args, written_from)
+        self._cached[(rows, tokens, layer_ids)] = _save_verdict(self._shape_key((rows, tokens, layer_ids)),
+                                                                compiled_ms, eager_ms)
         if eager_ms < compiled_ms:
             self._eager_shapes.add((rows, tokens, layer_ids))
         log.info("compile=auto: the %s step runs %s (%.1f ms compiled, %.1f ms eager)", shape,
                  "eagerly" if eager_ms < compiled_ms else "compiled", compiled_ms, eager_ms)
-        out = (self.module if eager_ms < compiled_ms else self._fn)(*args)  # the cache as the kept path writes it
-        return out
+        cache.set_length(written_from)
+        return (self.module(cache.hf_cache, input_ids, positions, mask, layer_ids) if eager_ms < compiled_ms
+                else graph(*args))  # the cache as the kept path writes it
+
+
+class _Hint:
+    shown = False
+
+
+def _hint_once() -> None:
+    if not _Hint.shown:
+        _Hint.shown = True
+        log.info("compile=auto: some steps have no compiled graph on this machine yet and run eagerly; build them "
+                 "once with `python -m eagle_lab.compile` (about half a minute a graph on 2 cores)")
 
 
 def _shape_name(rows: int, tokens: int) -> str:
@@ -250,10 +324,10 @@ def _save_verdict(key: str, compiled_ms: float, eager_ms: float) -> dict:
 
 def _choice_key(target: Target) -> str:
     device = target.device
-    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_features()
     parts = [target.name, str(target.config.model_type), str(target.config.num_hidden_layers),
              str(target.config.hidden_size), str(target.dtype), device.type, hardware, torch.__version__,
-             str(torch.get_num_threads())]
+             str(torch.get_num_threads()), getattr(target, "weights", "fp32")]
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -4,11 +4,11 @@ One step feeds T rows (a round's new committed pairs, or one level's frontier) t
 head and returns each row's predicted feature and its top-k draft tokens. Keys and values go
 into the head cache at given slots in place, so the shapes a compiled step sees are fixed:
 rows are padded to a bucket (padding rows write to the cache's last slot, which no row ever
-sees) and attention runs over the cache's whole capacity under an additive mask. On CPU the
-step is compiled with the same inductor settings as the target's (frozen weights, C++ GEMM
-template): the head's skinny matmuls then run at the memory floor, and one graph replaces the
-dozens of small eager kernels a step is made of. Drafts are proposals only: their numerics
-never touch exactness.
+sees) and attention runs over the cache's whole capacity under an additive mask. On CPU each
+bucket is an AOTInductor package like the target's step (graph_store.py: built once per machine,
+loaded in milliseconds, bound to the head's own weights); one graph replaces the dozens of small
+eager kernels a step is made of. On CUDA it is compiled with torch.compile. Drafts are proposals
+only: their numerics never touch exactness.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_lab.decoding.compiled import (CPU_OPTIONS, call_known_graph, inductor_cache_dir, inductor_settings,
-                                         raise_recompile_limits)
+from eagle_lab.decoding.compiled import call_known_graph, raise_recompile_limits
+from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.head import EagleHead, HeadKVCache
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,17 @@ class HeadStep(nn.Module):
     def __init__(self, head: EagleHead, embed_tokens: nn.Module, rotary: nn.Module, lm_weight: torch.Tensor):
         super().__init__()
         self.head, self.embed_tokens, self.rotary = head, embed_tokens, rotary
-        self.register_buffer("lm_weight", lm_weight, persistent=False)  # [Vd, H]
+        # tied rows (the full vocabulary of a target with tied embeddings) are read through the embedding: one
+        # tensor under two names would not export
+        weight = embed_tokens.weight
+        self.rows_are_embedding = (lm_weight.data_ptr() == weight.data_ptr() and lm_weight.shape == weight.shape
+                                   and lm_weight.dtype == weight.dtype)
+        if not self.rows_are_embedding:
+            self.register_buffer("lm_rows", lm_weight)  # [Vd, H]
+
+    @property
+    def lm_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.rows_are_embedding else self.lm_rows
 
     def forward(self, keys, values, tokens, features, positions, slots, mask, k: int, from_draft: bool,
                 last_only: bool = False):
@@ -57,18 +67,31 @@ class HeadStep(nn.Module):
         return hidden, top.values, top.indices
 
 
+class _BoundHeadStep(nn.Module):
+    """HeadStep with its constants bound: what one compiled bucket runs (export takes tensors only)."""
+
+    def __init__(self, step: HeadStep, k: int, from_draft: bool):
+        super().__init__()
+        self.step, self.k, self.from_draft = step, k, from_draft
+
+    def forward(self, keys, values, tokens, features, positions, slots, mask):
+        return self.step(keys, values, tokens, features, positions, slots, mask, self.k, self.from_draft)
+
+
 class HeadStepRunner:
     """Runs `HeadStep` for one drafter: eagerly over the cache's filled part, or compiled over its whole
     capacity with rows padded to a bucket (one graph per bucket, k, feature source and capacity)."""
 
     def __init__(self, head: EagleHead, embed_tokens: nn.Module, rotary: nn.Module, lm_weight: torch.Tensor,
-                 compiled: bool, buckets: tuple[int, ...] = ROW_BUCKETS):
+                 compiled: bool, buckets: tuple[int, ...] = ROW_BUCKETS, build: bool = True):
+        """build: whether a missing package may be compiled here (else that bucket runs eagerly)."""
         self.module = HeadStep(head, embed_tokens, rotary, lm_weight).eval()
-        self.compiled, self.buckets = compiled, tuple(sorted(buckets))
-        self._graphs: set[tuple] = set()
+        self.compiled, self.buckets, self.build = compiled, tuple(sorted(buckets)), build
+        self.packages = compiled and lm_weight.device.type == "cpu"
+        self._graphs: dict[tuple, object] = {}  # key -> compiled callable (None: no package, eager)
         self._fn = self.module
-        if compiled:
-            inductor_cache_dir()
+        self.store = GraphStore()
+        if compiled and not self.packages:
             raise_recompile_limits()
             self._fn = torch.compile(self.module, dynamic=False)
 
@@ -128,16 +151,28 @@ class HeadStepRunner:
     def _run(self, args, key: tuple | None):
         if key is None:
             return self.module(*args)
-        settings = CPU_OPTIONS if args[2].device.type == "cpu" else {}
-        with inductor_settings(settings):
-            if key in self._graphs:
-                return call_known_graph(self._fn, args, args[2].device)
+        if key in self._graphs:
+            graph = self._graphs[key]
+            if graph is None:
+                return self.module(*args)
+            return graph(args) if self.packages else call_known_graph(self._fn, args, args[2].device)
+        if not self.packages:
             start = time.perf_counter()
             out = self._fn(*args)
-        self._graphs.add(key)
-        log.info("compiled the head step for %d rows over a %d-slot cache in %.0f s", key[0], key[1],
-                 time.perf_counter() - start)
-        return out
+            self._graphs[key] = self._fn
+            log.info("compiled the head step for %d rows over a %d-slot cache in %.0f s", key[0], key[1],
+                     time.perf_counter() - start)
+            return out
+        bound = _BoundHeadStep(self.module, args[7], args[8])
+        tensors = args[:7]
+        store_key = self.store.key("head-step", bound, tensors, {"k": args[7], "from_draft": args[8],
+                                                                  "arch": self.module.head.arch})
+        what = f"the head step for {key[0]} rows over a {key[1]}-slot cache"
+        runner = (self.store.load_or_build(store_key, bound, tensors, what) if self.build
+                  else self.store.load(store_key, bound))
+        graph = None if runner is None else (lambda a: tuple(runner(*a[:7])))
+        self._graphs[key] = graph
+        return self.module(*args) if graph is None else graph(args)
 
 
 def _pad(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -126,6 +126,8 @@ def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig
                              "target_costs": "per bucket",
                              "min_attended_length": getattr(backend, "min_attended_length", 0),
                              "head_step": "compiled" if drafter.runner.compiled else "eager"}
+    if getattr(target, "weights", "fp32") != "fp32":  # quantized weights: other costs, other acceptance
+        fields["target_weights"] = target.weights
     if head.dtype != target.dtype:  # a head drafting in its own dtype costs and accepts differently
         fields["head_dtype"] = str(head.dtype)
     if ngram is not None:  # only then: summaries cached without n-gram stay valid

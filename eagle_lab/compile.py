@@ -1,0 +1,74 @@
+"""`python -m eagle_lab.compile [serve.py overrides]`: build, once per machine, every compiled graph that
+`python serve.py` with the same overrides decodes with, and calibrate tree=auto on them.
+
+Graphs are AOTInductor packages under `<cache>/compiled/` (eagle_lab/decoding/graph_store.py); a later
+process loads them in milliseconds, so `compile=auto` decodes compiled from the first token of any run.
+Steps: plain decoding at every attended length, tree=auto's full calibration on the compiled backend
+(its trees' sizes), and one speculative generation (the head's steps). Graphs already built are loaded,
+not rebuilt: running it again is quick.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import hydra
+from omegaconf import DictConfig
+
+from eagle_lab.builders import build_decoder, make_drafter, make_generator
+from eagle_lab.cli import run_entry
+from eagle_lab.config import ServeConfig, register_configs, to_object
+from eagle_lab.decoding.backend import StaticBackend, build_backend
+from eagle_lab.decoding.graph_store import GraphStore
+from eagle_lab.errors import EagleLabError
+from eagle_lab.generate import Stopper, generate
+from eagle_lab.prompts import as_tensor, encode_prompt
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import load_target
+
+log = logging.getLogger(__name__)
+register_configs()
+DEMO_PROMPT = "Explain speculative decoding in two sentences."
+
+
+def build_graphs(cfg: ServeConfig) -> None:
+    store = GraphStore()
+    before, _ = store.summary()
+    start = time.perf_counter()
+    target = load_target(cfg.target)
+    backend = build_backend(target, "true", cfg.decoding, compile_ahead=True)
+    if not isinstance(backend, StaticBackend):
+        raise EagleLabError("this target cannot be compiled here")
+    prompt = as_tensor(encode_prompt(target.tokenizer, cfg.prompt or DEMO_PROMPT, cfg.chat, cfg.system), target.device)
+    log.info("compile [1/3]: plain decoding's step at every attended length")
+    _decode(cfg, target, None, backend, prompt, "vanilla")
+    log.info("compile [2/3]: tree=auto's calibration on the compiled target (its trees' sizes)")
+    drafter = make_drafter(cfg, target, backend, planned_tokens=None,
+                           temperatures=sorted({0.0, 1.0, float(cfg.temperature)}))
+    if drafter is not None:
+        log.info("compile [3/3]: one speculative generation (the drafter's steps)")
+        _decode(cfg, target, drafter, backend, prompt, cfg.method)
+    after, size = store.summary()
+    log.info("compile: done in %.0f s; %d graphs built now, %d in %s (%.0f MB)", time.perf_counter() - start,
+             after - before, after, store.root, size / 1e6)
+
+
+def _decode(cfg: ServeConfig, target, drafter, backend, prompt, method: str) -> None:
+    stopper = Stopper(target.tokenizer, cfg.max_new_tokens, target.eos_token_ids)
+    decoder = build_decoder(method, target, drafter, prompt, SamplingParams(), stopper,
+                            make_generator(cfg.seed, target.device), backend)
+    generate(decoder)
+
+
+def run(raw: DictConfig) -> None:
+    build_graphs(to_object(raw, ServeConfig))
+
+
+@hydra.main(config_path="conf", config_name="serve", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_entry(run, cfg)
+
+
+if __name__ == "__main__":
+    main()

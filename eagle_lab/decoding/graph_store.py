@@ -1,0 +1,212 @@
+"""Compiled graphs that outlive the process: AOTInductor packages on disk, built once per machine.
+
+`torch.compile` rebuilds every graph in every process (1-4 minutes each on a 2-core CPU), so a short
+run never got compiled decoding. Here a step is exported (`torch.export`) and compiled ahead of time
+into a package (`torch._inductor.aoti_compile_and_package`) under `<cache>/compiled/`; a later process
+loads it in milliseconds and runs it from its first token.
+
+Packages hold code, not weights: they are compiled without freezing and with
+`package_constants_in_so=False`, and a loaded package is bound to the live module's own parameters
+(`load_constants(..., user_managed=True)`: no copy). So a package is a few MB, one set of weights
+serves every package, and a package cannot run stale weights: new weights of the same shapes run
+through the same code. On a 2-core Xeon (AMX) this unfrozen code ran a 1-token SmolLM2 step as fast
+as the frozen, prepacked torch.compile graph (docs/design-decoding.md, "Compiled artifacts").
+
+`frozen=True` (decoding.frozen_weights) compiles the other way: weights frozen into the package and
+prepacked for inductor's C++ GEMM template, autotuned per shape. On CPUs where that template beats
+MKL at a few rows (a 2-core AVX2 EPYC: a 1-token step 27 ms frozen against 52-59 ms unfrozen, in
+torch.compile) it is worth its cost: each package then carries the weights (about 0.65 GB per graph
+for SmolLM2 in fp32) and takes minutes to build, and its key includes a digest of the weights.
+
+A package's path is a hash of everything its code depends on: torch, transformers and Python
+versions, the CPU's instruction sets, eagle_lab's source of the step, the module's parameter
+names, shapes and dtypes, the example inputs' shapes, strides and dtypes, and the step's own
+constants (rows, attended length, layers). Change any of them and the package is built anew
+instead of loaded; a package that fails to load is rebuilt too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eagle_lab.embedded import cache_root
+
+log = logging.getLogger(__name__)
+STORE_DIR = "compiled"
+# inductor settings of a package: no freezing, so the weights stay inputs bound at load time
+PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False}
+# frozen: weights prepacked into the package for the C++ GEMM template, each GEMM autotuned
+FROZEN_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
+_CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16",
+              "amx_int8", "fma", "f16c")
+
+
+def cpu_features() -> str:
+    """The instruction sets generated code may use here (inductor compiles for the host's ISA)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    present = [flag for flag in _CPU_FLAGS if flag in flags]
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{platform.machine()}:{capability}:{'+'.join(present)}"
+
+
+def _source_digest() -> str:
+    """eagle_lab's code that defines exported steps: a change there invalidates every package."""
+    digest = hashlib.sha1()
+    package = Path(__file__).resolve().parent.parent
+    for relative in ("decoding/compiled.py", "decoding/head_step.py", "decoding/graph_store.py", "head.py",
+                     "eagle3.py", "quantized.py"):
+        path = package / relative
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def environment() -> dict:
+    """What every package built in this process depends on, whatever its shape."""
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": ".".join(map(str, sys.version_info[:3])), "cpu": cpu_features(), "eagle_lab": _source_digest()}
+
+
+def _describe(value) -> object:
+    """Shapes, strides and dtypes of a nested structure of tensors (what an exported graph is specialised on)."""
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), list(value.stride()), str(value.dtype), value.device.type]
+    if isinstance(value, (list, tuple)):
+        return [_describe(item) for item in value]
+    return repr(value)
+
+
+def module_constants(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer under its name, tied ones under each name (a package asks for each)."""
+    constants = dict(module.named_parameters(remove_duplicate=False))
+    constants.update(module.named_buffers(remove_duplicate=False))
+    return constants
+
+
+class GraphStore:
+    """Packages under `<cache>/compiled/` (or `root`)."""
+
+    def __init__(self, root: Path | None = None, frozen: bool = False):
+        self.root = Path(root) if root is not None else cache_root() / STORE_DIR
+        self.frozen = frozen
+        self._environment: dict | None = None
+        self._weight_digests: dict[tuple, str] = {}  # (name, address, version) of every weight -> digest
+
+    def family(self, name: str, module: nn.Module, constants: dict) -> str:
+        """`name-<hash>` of what every package of one module shares: environment, weights' names, shapes and
+        dtypes (their values too when frozen), the module's own constants."""
+        if self._environment is None:
+            self._environment = environment()
+        weights = sorted((n, list(t.shape), str(t.dtype)) for n, t in module_constants(module).items())
+        frozen = self._weights_digest(module) if self.frozen else ""
+        text = json.dumps([self._environment, name, type(module).__name__, weights,
+                           sorted((str(k), repr(v)) for k, v in constants.items()), frozen], sort_keys=True)
+        return f"{name}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+
+    def key(self, name: str, module: nn.Module, args: tuple, constants: dict) -> str:
+        """A package's file name: its family, then a hash of the inputs' shapes, strides and dtypes."""
+        shape = hashlib.sha1(json.dumps(_describe(args)).encode()).hexdigest()[:12]
+        return f"{self.family(name, module, constants)}-{shape}"
+
+    def has_family(self, family: str) -> bool:
+        """Whether any package of this family is on disk."""
+        return self.root.is_dir() and any(self.root.glob(f"{family}-*.pt2"))
+
+    def _weights_digest(self, module: nn.Module) -> str:
+        """A digest of the weights' values (frozen packages carry them); computed once per set of tensors."""
+        constants = sorted(module_constants(module).items())
+        identity = tuple((name, tensor.data_ptr(), tensor._version) for name, tensor in constants)
+        if identity not in self._weight_digests:
+            digest = hashlib.sha1()
+            for name, tensor in constants:
+                digest.update(name.encode())
+                digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            self._weight_digests[identity] = digest.hexdigest()[:16]
+        return self._weight_digests[identity]
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.pt2"
+
+    def has(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def load(self, key: str, module: nn.Module):
+        """The package bound to `module`'s weights, or None when there is none or it does not load."""
+        path = self.path(key)
+        if not path.is_file():
+            return None
+        try:
+            runner = torch._inductor.aoti_load_package(str(path))
+            if self.frozen:
+                return runner  # its weights are inside
+            wanted = runner.get_constant_fqns()
+            constants = module_constants(module)
+            missing = [name for name in wanted if name not in constants]
+            if missing:
+                raise RuntimeError(f"the package wants constants the module lacks: {missing[:3]}")
+            runner.load_constants({name: constants[name] for name in wanted}, check_full_update=True,
+                                  user_managed=True)
+        except (RuntimeError, OSError, ValueError, KeyError) as err:
+            log.warning("compiled graph %s does not load here (%s); building it again", path.name, err)
+            return None
+        return runner
+
+    def build(self, key: str, module: nn.Module, args: tuple):
+        """Export `module` on `args` (a tuple of tensors and nested lists of them), compile it ahead of time,
+        write the package atomically and return it loaded."""
+        from torch._inductor import aoti_compile_and_package
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        exported = torch.export.export(module, args, strict=False)
+        handle, partial = tempfile.mkstemp(dir=self.root, prefix=f".{key}.", suffix=".pt2")
+        os.close(handle)
+        try:
+            aoti_compile_and_package(exported, package_path=partial,
+                                     inductor_configs=FROZEN_OPTIONS if self.frozen else PACKAGE_OPTIONS)
+            os.replace(partial, self.path(key))
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+        runner = self.load(key, module)
+        if runner is None:
+            raise RuntimeError(f"a freshly built compiled graph does not load: {self.path(key)}")
+        return runner
+
+    def load_or_build(self, key: str, module: nn.Module, args: tuple, what: str, build: bool = True):
+        """The loaded package for `key`; built first (and logged with its time and size) when missing and
+        `build`, else None."""
+        runner = self.load(key, module)
+        if runner is not None or not build:
+            return runner
+        log.info("compiling %s ahead of time (once on this machine; kept in %s)", what, self.root)
+        start = time.perf_counter()
+        runner = self.build(key, module, args)
+        log.info("compiled %s in %.0f s (%.1f MB)", what, time.perf_counter() - start,
+                 self.path(key).stat().st_size / 1e6)
+        return runner
+
+    def summary(self) -> tuple[int, int]:
+        """(packages, bytes) in the store."""
+        files = list(self.root.glob("*.pt2")) if self.root.is_dir() else []
+        return len(files), sum(f.stat().st_size for f in files)

@@ -1,0 +1,106 @@
+"""Compiled graphs kept on disk: a package built in one process serves a later one, equal to eager decoding;
+a package that anything it depends on has changed under is rebuilt, never loaded; a package runs the weights
+of the module it is bound to, not those it was built with."""
+
+import pytest
+import torch
+
+from eagle_lab.decoding import compiled, graph_store
+from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
+from eagle_lab.decoding.graph_store import GraphStore
+from eagle_lab.generate import Stopper, generate, vanilla_decode
+from eagle_lab.sampling import SamplingParams
+from eagle_lab.target import Target
+from eagle_lab.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    """Each test builds into its own empty store."""
+    monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path))
+    return tmp_path / graph_store.STORE_DIR
+
+
+def tiny(seed: int = 0) -> Target:
+    model = build_tiny_model(TinyModelConfig(family="llama", seed=seed), vocab_size=byte_tokenizer().vocab_size)
+    return Target(model, byte_tokenizer(), name="tiny_llama")
+
+
+def greedy(target: Target, backend, tokens: int = 12) -> list[int]:
+    prompt = torch.tensor(target.tokenizer.encode("Packages outlive the process."))
+    return generate(vanilla_decode(target, prompt, SamplingParams(), Stopper(target.tokenizer, tokens, set()),
+                                   backend=backend)).token_ids
+
+
+def backend_for(target: Target, build: bool) -> StaticBackend:
+    return StaticBackend(target, [1], 64, compiled=True, min_attended_length=0, build=build)
+
+
+def test_a_package_built_once_serves_a_later_backend_equal_to_eager(store_dir, monkeypatch):
+    target = tiny()
+    reference = greedy(target, EagerBackend(target))
+    assert greedy(target, backend_for(target, build=True)) == reference
+    packages = sorted(store_dir.glob("*.pt2"))
+    assert packages and all(p.stat().st_size < 50e6 for p in packages)  # code only: no weights inside
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a package that exists was built again")
+
+    monkeypatch.setattr(GraphStore, "build", no_build)
+    later = backend_for(target, build=False)  # what a later process with compile=auto does in a short run
+    assert later.has_graphs()
+    assert greedy(target, later) == reference
+    assert later._steps._graphs and not later._steps._missing  # it ran the package, not eager fallbacks
+
+
+def test_a_stale_package_is_rebuilt_not_loaded(store_dir, monkeypatch):
+    target = tiny()
+    reference = greedy(target, EagerBackend(target))
+    greedy(target, backend_for(target, build=True))
+    built = set(store_dir.glob("*.pt2"))
+    real = graph_store.environment()
+    monkeypatch.setattr(graph_store, "environment", lambda: {**real, "torch": "0.0.0-other"})
+    other = backend_for(target, build=False)
+    assert not other.has_graphs()  # another torch: the package is not found
+    assert greedy(target, other) == reference  # ... and the step ran eagerly
+    assert other._steps._missing
+    rebuilt = backend_for(target, build=True)
+    assert greedy(target, rebuilt) == reference
+    assert set(store_dir.glob("*.pt2")) - built  # built anew under its own key
+
+
+def test_a_package_runs_the_weights_it_is_bound_to(store_dir):
+    first, second = tiny(seed=0), tiny(seed=1)  # same shapes, other weights
+    greedy(first, backend_for(first, build=True))
+    count = len(list(store_dir.glob("*.pt2")))
+    out = greedy(second, backend_for(second, build=False))
+    assert len(list(store_dir.glob("*.pt2"))) == count  # the same packages served
+    assert out == greedy(second, EagerBackend(second))
+    assert out != greedy(first, EagerBackend(first))  # the check can tell the two targets apart
+
+
+def test_a_package_that_does_not_load_is_rebuilt(store_dir):
+    target = tiny()
+    reference = greedy(target, EagerBackend(target))
+    greedy(target, backend_for(target, build=True))
+    for package in store_dir.glob("*.pt2"):
+        package.write_bytes(b"not a package")
+    assert greedy(target, backend_for(target, build=True)) == reference
+    assert all(p.stat().st_size > 100 for p in store_dir.glob("*.pt2"))
+
+
+def test_compile_auto_in_a_short_run_uses_packages_when_they_exist(store_dir):
+    target = tiny()
+    config = DecodingConfig(buckets=[1, 4], cache_block=64, min_attended_length=0, cache_capacity=64)
+    assert isinstance(build_backend(target, "auto", config, planned_tokens=16), EagerBackend)  # none built yet
+    built = build_backend(target, "true", config)
+    greedy(target, built)
+    short = build_backend(target, "auto", config, planned_tokens=16)
+    verdicts = list(compiled._read_verdicts().values())  # compile=auto timed a compiled plain step against eager
+    assert len(verdicts) == 1
+    if verdicts[0]["choice"] == "compiled":
+        assert isinstance(short, StaticBackend) and short.compiled and not short.build
+    else:
+        assert isinstance(short, EagerBackend)
