@@ -267,14 +267,10 @@ class EagleHead(nn.Module):
         return x, x
 
     def forward(self, token_embeds, features, cos, sin, cache: HeadKVCache | None = None, mask=None,
-                from_draft: bool = False, compiled_parts=None):
-        """mask: None (causal) or additive float [1 or B, 1, T, S] over cached + new keys.
-        compiled_parts: compiled stand-ins for inputs() and finish() (eagle_lab.decoding.compiled)."""
-        if compiled_parts is None:
-            attn_in, residual = self.inputs(token_embeds, features, from_draft)
-            return self.layer.finish(residual, self.layer.self_attn(attn_in, cos, sin, cache, mask))
-        attn_in, residual = compiled_parts.inputs[from_draft](token_embeds, features)  # [B, T, In], [B, T, H]
-        return compiled_parts.finish(residual, self.layer.self_attn(attn_in, cos, sin, cache, mask))
+                from_draft: bool = False):
+        """mask: None (causal) or additive float [1 or B, 1, T, S] over cached + new keys."""
+        attn_in, residual = self.inputs(token_embeds, features, from_draft)  # [B, T, In], [B, T, H]
+        return self.layer.finish(residual, self.layer.self_attn(attn_in, cos, sin, cache, mask))
 
     def draft_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., Vd] using the target's LM-head rows of the draft vocabulary."""

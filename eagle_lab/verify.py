@@ -125,10 +125,6 @@ def _advance(steps: VerifySteps, value: torch.Tensor | None, index: int, asked: 
         results[index] = exc
 
 
-def verify_greedy(tree: DraftTree, node_logits: NodeLogits) -> tuple[torch.Tensor, int]:
-    return run_steps(_greedy_steps(tree), node_logits)
-
-
 def verify_sampling(
     tree: DraftTree, node_probs: Callable[[int], torch.Tensor], generator: torch.Generator | None
 ) -> tuple[torch.Tensor, int]:

@@ -11,7 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "eagle_lab"
 
 # top to bottom; a module belongs to the first layer one of whose prefixes it starts with
 LAYERS = [
-    ("entry points", ["eagle_lab.serve", "eagle_lab.train", "eagle_lab.export", "eagle_lab.cli", "eagle_lab.training.trainer",
+    ("entry points", ["eagle_lab.serve", "eagle_lab.train", "eagle_lab.export", "eagle_lab.cli", "eagle_lab.compile",
+                     "eagle_lab.training.trainer",
                       "eagle_lab.training.scaling_report", "eagle_lab.training.recipe_report"]),
     ("benchmark", ["eagle_lab.benchmark"]),
     ("serving", ["eagle_lab.serving", "eagle_lab.text_stream"]),
@@ -22,7 +23,7 @@ LAYERS = [
     ("decoding core", ["eagle_lab.decoding", "eagle_lab.verify", "eagle_lab.ngram", "eagle_lab.cache"]),
     ("models", ["eagle_lab.target", "eagle_lab.head", "eagle_lab.eagle3", "eagle_lab.head_kinds", "eagle_lab.interop",
                 "eagle_lab.tiny", "eagle_lab.tree", "eagle_lab.sampling", "eagle_lab.card", "eagle_lab.prompts",
-                "eagle_lab.medusa", "eagle_lab.medusa_layout", "eagle_lab.draft_lm_store"]),
+                "eagle_lab.medusa", "eagle_lab.medusa_layout", "eagle_lab.draft_lm_store", "eagle_lab.quantized"]),
     ("base", ["eagle_lab.errors", "eagle_lab.device", "eagle_lab.embedded", "eagle_lab.packages",
               "eagle_lab.model_shape", "eagle_lab.conf", "eagle_lab"]),
 ]
