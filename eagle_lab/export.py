@@ -1,12 +1,16 @@
-"""`python -m eagle_lab.export head_path=DIR format=eagle3|eagle out=DIR [target=NAME] [dtype=auto]`
+"""`python -m eagle_lab.export head_path=DIR format=eagle3|eagle|gguf out=DIR [target=NAME] [dtype=auto]`
 
 Writes a trained head in the layout vLLM, SGLang and the official EAGLE code load
-(see eagle_lab.interop). The target is only read for its config (rotary settings, context
+(see eagle_lab.interop); format=gguf writes the pair llama.cpp serves an EAGLE-3 head with
+(eagle_lab.llama_cpp): `target-<type>.gguf` and `head.gguf`, through llama.cpp's own converter. The target is only read for its config (rotary settings, context
 length, special token ids) and to check the head fits it; its weights are not loaded.
 
   target=NAME   a config under conf/target/ (or a .yaml path); default: the run's target
                 (`resolved_config.yaml` next to the head directory), else smollm2_135m
   dtype=auto    keep the head's stored precision; or float32 | bfloat16 | float16
+  llama_cpp=DIR llama.cpp's source (format=gguf; default $EAGLE_LAB_LLAMA_CPP)
+  target_outtype=f32|bf16|f16|q8_0   the target GGUF's precision (format=gguf; default f32)
+  target_dir=DIR  the target's Hugging Face directory (format=gguf; default: the target's own)
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from transformers import AutoConfig
 
 from eagle_lab.card import read_card, write_card
 from eagle_lab.device import _DTYPES
+from eagle_lab import llama_cpp
 from eagle_lab.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
 from eagle_lab.interop import export_head, format_kind, load_head, stored_dtype
@@ -31,9 +36,9 @@ log = logging.getLogger("eagle_lab.export")
 CONF_TARGETS = Path(__file__).resolve().parent / "conf" / "target"
 PACKAGED_HEADS = Path(__file__).resolve().parent / "assets" / "heads"  # as in eagle_lab.builders
 DEFAULT_TARGET = "smollm2_135m"
-KEYS = ("head_path", "format", "out", "target", "dtype")
+KEYS = ("head_path", "format", "out", "target", "dtype", "llama_cpp", "target_outtype", "target_dir")
 REQUIRED = ("head_path", "format", "out")
-USAGE = "usage: python -m eagle_lab.export head_path=DIR format=eagle3|eagle out=DIR [target=NAME] [dtype=auto]"
+USAGE = "usage: python -m eagle_lab.export head_path=DIR format=eagle3|eagle|gguf out=DIR [target=NAME] [dtype=auto]"
 
 
 def parse_args(argv: list[str]) -> dict[str, str]:
@@ -113,8 +118,16 @@ def config_target(cfg) -> ConfigTarget:
 
 
 def export(args: dict[str, str]) -> Path:
-
-    format_kind(args["format"])
+    gguf = args["format"] == "gguf"
+    source = llama_cpp.source_dir(args.get("llama_cpp", "")) if gguf else None
+    if gguf and source is None:
+        raise EagleLabError(f"format=gguf runs llama.cpp's converter: give llama_cpp=DIR (its source) or set "
+                            f"${llama_cpp.ENV}")
+    outtype = args.get("target_outtype", "f32") or "f32"
+    if gguf and outtype not in llama_cpp.TARGET_OUTTYPES:
+        raise EagleLabError(f"target_outtype must be one of {', '.join(llama_cpp.TARGET_OUTTYPES)}, got '{outtype}'")
+    if not gguf:
+        format_kind(args["format"])
     head_path = Path(args["head_path"]).expanduser()
     out = Path(args["out"]).expanduser()
     if not head_path.is_dir():
@@ -137,6 +150,8 @@ def export(args: dict[str, str]) -> Path:
         raise EagleLabError(f"{exc} (no target= given and none recorded next to the head, so "
                             f"{DEFAULT_TARGET} was assumed: pass target=NAME)") from exc
     dtype = stored_dtype(head_path) if dtype_name == "auto" else _DTYPES[dtype_name]
+    if gguf:
+        return _export_gguf(head, target, cfg, out, dtype, source, outtype, args.get("target_dir", ""))
     written = export_head(head, target, out, args["format"], dtype=dtype)
     card = read_card(head_path)
     if card is not None:  # the card travels with the head, whatever the layout
@@ -144,6 +159,30 @@ def export(args: dict[str, str]) -> Path:
     print(f"exported {head.arch.kind} head ({str(dtype).removeprefix('torch.')}) for target {target.name} "
           f"as format={args['format']} -> {written}")
     return written
+
+
+def _export_gguf(head, target, cfg, out: Path, dtype, source: Path, outtype: str, target_dir: str) -> Path:
+    """The head as llama.cpp's EAGLE-3 GGUF plus the target's GGUF, both through llama.cpp's converter."""
+    if head.arch.kind != "eagle3":
+        raise EagleLabError(f"llama.cpp drafts with EAGLE-3 heads (--spec-type draft-eagle3); this head is "
+                            f"{head.arch.kind}: train one with head=eagle3")
+    if target_dir:
+        model_dir = Path(target_dir).expanduser()
+    elif cfg.source == "embedded":
+        model_dir = smollm2_dir()
+    elif cfg.source == "pretrained" and Path(cfg.path).expanduser().is_dir():
+        model_dir = Path(cfg.path).expanduser()
+    else:
+        raise EagleLabError("format=gguf needs the target's Hugging Face directory: give target_dir=DIR")
+    if not (model_dir / "config.json").is_file():
+        raise EagleLabError(f"target_dir '{model_dir}' is not a model directory (no config.json there)")
+    hf_dir = export_head(head, target, out / "head-eagle3", "eagle3", dtype=dtype)
+    head_type = "f32" if str(dtype) == "torch.float32" else "bf16"
+    head_file = llama_cpp.convert(source, hf_dir, out / "head.gguf", head_type, target_dir=model_dir)
+    target_file = llama_cpp.convert(source, model_dir, out / f"target-{outtype}.gguf", outtype)
+    print(f"exported eagle3 head for target {target.name} as llama.cpp GGUF -> {head_file} (with {target_file}); "
+          f"run: llama-speculative-simple -m {target_file} -md {head_file} --spec-type draft-eagle3")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

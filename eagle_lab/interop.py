@@ -111,12 +111,10 @@ def published_config(arch: HeadArchitecture, target_or_config, dtype: torch.dtyp
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if tcfg.get(key) is not None:
             config[key] = tcfg[key]
-    if eagle3:
-
+    if eagle3:  # always written: engines derive a default of their own where it is missing, which can differ
         layers = [int(i) for i in arch.feature_layers]
-        if tuple(layers) != tuple(eagle3_layer_ids(int(tcfg.get("num_hidden_layers", 0) or 0))):
-            config[AUX_LAYERS_KEY] = layers
-            config["eagle_config"] = {AUX_LAYERS_KEY: [i - 1 for i in layers]}
+        config[AUX_LAYERS_KEY] = layers
+        config["eagle_config"] = {AUX_LAYERS_KEY: [i - 1 for i in layers]}
     return config
 
 

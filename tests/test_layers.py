@@ -21,7 +21,7 @@ LAYERS = [
     ("loops", ["eagle_lab.generate"]),
     ("drafters", ["eagle_lab.draft", "eagle_lab.draft_model", "eagle_lab.medusa_draft"]),
     ("decoding core", ["eagle_lab.decoding", "eagle_lab.verify", "eagle_lab.ngram", "eagle_lab.cache"]),
-    ("models", ["eagle_lab.target", "eagle_lab.head", "eagle_lab.eagle3", "eagle_lab.head_kinds", "eagle_lab.interop",
+    ("models", ["eagle_lab.llama_cpp", "eagle_lab.target", "eagle_lab.head", "eagle_lab.eagle3", "eagle_lab.head_kinds", "eagle_lab.interop",
                 "eagle_lab.tiny", "eagle_lab.tree", "eagle_lab.sampling", "eagle_lab.card", "eagle_lab.prompts",
                 "eagle_lab.medusa", "eagle_lab.medusa_layout", "eagle_lab.draft_lm_store", "eagle_lab.quantized"]),
     ("base", ["eagle_lab.errors", "eagle_lab.device", "eagle_lab.embedded", "eagle_lab.packages",
