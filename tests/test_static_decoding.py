@@ -80,13 +80,15 @@ def test_static_cache_stops_at_the_context_limit(tiny_llama):
         generate(vanilla_decode(tiny_llama, too_long, GREEDY, Stopper(tiny_llama.tokenizer, 4, set()), backend=backend))
 
 
-def test_bad_compile_choice_and_buckets_are_refused(tiny_llama):
+def test_bad_compile_choice_and_buckets_are_refused(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path))  # a machine with no compiled graphs yet
     with pytest.raises(EagleLabError, match="compile must be auto, true or false"):
         build_backend(tiny_llama, "sometimes", DecodingConfig())
     with pytest.raises(EagleLabError, match="buckets"):
         StaticBackend(tiny_llama, [0, 4])
     assert isinstance(build_backend(tiny_llama, "False", DecodingConfig()), EagerBackend)  # Hydra's boolean, as text
-    # compile=auto with little work ahead stays eager: compiling would cost more than it saves
+    # compile=auto with little work ahead and no graphs built stays eager: compiling would cost more than it saves
+    # (with graphs built it decodes compiled: tests/test_graph_store.py)
     assert isinstance(build_backend(tiny_llama, "auto", DecodingConfig(), planned_tokens=64), EagerBackend)
 
 

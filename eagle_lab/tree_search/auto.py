@@ -45,6 +45,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import torch
+
 from eagle_lab.draft import EagleDrafter, TreeChoice, TreeShape
 from eagle_lab.embedded import cache_root
 from eagle_lab.ngram import NgramProposer
@@ -120,6 +122,7 @@ def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig
     head = drafter.head
     weights = float(sum(p.detach().float().abs().sum() for p in head.parameters()))
     fields = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
+              "threads": torch.get_num_threads(),  # every cost scales with them
               "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search)}
     if backend is not None and getattr(backend, "name", "eager") != "eager":  # costs differ per backend
         fields["backend"] = {"name": backend.name, "buckets": list(getattr(backend, "buckets", [])),
