@@ -36,6 +36,7 @@ from eagle_lab.target import Target
 log = logging.getLogger(__name__)
 CPU_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
 CHOICE_FILE = "compile_choice.json"
+STEP_SOURCES = ("decoding/compiled.py", "quantized.py")  # what the target step's packages are built from
 
 
 def inductor_cache_dir() -> str:
@@ -197,14 +198,14 @@ class StepCompiler:
         """The store's key of the package that serves these inputs (cache: a StaticKVCache or view)."""
         flat = _FlatStep(self.module, cache, layer_ids)
         return self.store.key("target-step", flat, (input_ids, positions, mask, _cache_inputs(cache.hf_cache)),
-                              self._constants(layer_ids))
+                              self._constants(layer_ids), STEP_SOURCES)
 
     def has_graphs(self, cache) -> bool:
         """Whether any plain-step package for this target (over caches like `cache`) was built on this machine."""
         if not self.packages:
             return self.compiled
         return self.store.has_family(self.store.family("target-step", _FlatStep(self.module, cache, ()),
-                                                       self._constants(())))
+                                                       self._constants(()), STEP_SOURCES))
 
     @torch.no_grad()
     def run(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):

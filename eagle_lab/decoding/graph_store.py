@@ -19,7 +19,7 @@ torch.compile) it is worth its cost: each package then carries the weights (abou
 for SmolLM2 in fp32) and takes minutes to build, and its key includes a digest of the weights.
 
 A package's path is a hash of everything its code depends on: torch, transformers and Python
-versions, the CPU's instruction sets, eagle_lab's source of the step, the module's parameter
+versions, the CPU's instruction sets, eagle_lab's source files of that step, the module's parameter
 names, shapes and dtypes, the example inputs' shapes, strides and dtypes, and the step's own
 constants (rows, attended length, layers). Change any of them and the package is built anew
 instead of loaded; a package that fails to load is rebuilt too.
@@ -68,12 +68,12 @@ def cpu_features() -> str:
     return f"{platform.machine()}:{capability}:{'+'.join(present)}"
 
 
-def _source_digest() -> str:
-    """eagle_lab's code that defines exported steps: a change there invalidates every package."""
+def _source_digest(sources: tuple[str, ...]) -> str:
+    """eagle_lab's code that defines an exported step (paths under eagle_lab/) and this module: a change there
+    invalidates that step's packages, and only those."""
     digest = hashlib.sha1()
     package = Path(__file__).resolve().parent.parent
-    for relative in ("decoding/compiled.py", "decoding/head_step.py", "decoding/graph_store.py", "head.py",
-                     "eagle3.py", "quantized.py"):
+    for relative in ("decoding/graph_store.py", *sources):
         path = package / relative
         if path.is_file():
             digest.update(path.read_bytes())
@@ -85,7 +85,7 @@ def environment() -> dict:
     import transformers
 
     return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": ".".join(map(str, sys.version_info[:3])), "cpu": cpu_features(), "eagle_lab": _source_digest()}
+            "python": ".".join(map(str, sys.version_info[:3])), "cpu": cpu_features()}
 
 
 def _describe(value) -> object:
@@ -113,21 +113,22 @@ class GraphStore:
         self._environment: dict | None = None
         self._weight_digests: dict[tuple, str] = {}  # (name, address, version) of every weight -> digest
 
-    def family(self, name: str, module: nn.Module, constants: dict) -> str:
-        """`name-<hash>` of what every package of one module shares: environment, weights' names, shapes and
-        dtypes (their values too when frozen), the module's own constants."""
+    def family(self, name: str, module: nn.Module, constants: dict, sources: tuple[str, ...] = ()) -> str:
+        """`name-<hash>` of what every package of one module shares: environment, the source files that define
+        the step (`sources`, under eagle_lab/), weights' names, shapes and dtypes (their values too when frozen),
+        the module's own constants."""
         if self._environment is None:
             self._environment = environment()
         weights = sorted((n, list(t.shape), str(t.dtype)) for n, t in module_constants(module).items())
         frozen = self._weights_digest(module) if self.frozen else ""
-        text = json.dumps([self._environment, name, type(module).__name__, weights,
+        text = json.dumps([self._environment, _source_digest(sources), name, type(module).__name__, weights,
                            sorted((str(k), repr(v)) for k, v in constants.items()), frozen], sort_keys=True)
         return f"{name}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
 
-    def key(self, name: str, module: nn.Module, args: tuple, constants: dict) -> str:
+    def key(self, name: str, module: nn.Module, args: tuple, constants: dict, sources: tuple[str, ...] = ()) -> str:
         """A package's file name: its family, then a hash of the inputs' shapes, strides and dtypes."""
         shape = hashlib.sha1(json.dumps(_describe(args)).encode()).hexdigest()[:12]
-        return f"{self.family(name, module, constants)}-{shape}"
+        return f"{self.family(name, module, constants, sources)}-{shape}"
 
     def has_family(self, family: str) -> bool:
         """Whether any package of this family is on disk."""

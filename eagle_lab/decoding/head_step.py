@@ -26,6 +26,7 @@ from eagle_lab.head import EagleHead, HeadKVCache
 
 log = logging.getLogger(__name__)
 ROW_BUCKETS = (4, 16)  # rows per compiled head step; more rows (a prompt's first commit) run 16 at a time
+STEP_SOURCES = ("decoding/head_step.py", "head.py", "eagle3.py")  # what the head step's packages are built from
 
 
 class HeadStep(nn.Module):
@@ -166,7 +167,7 @@ class HeadStepRunner:
         bound = _BoundHeadStep(self.module, args[7], args[8])
         tensors = args[:7]
         store_key = self.store.key("head-step", bound, tensors, {"k": args[7], "from_draft": args[8],
-                                                                  "arch": self.module.head.arch})
+                                                                  "arch": self.module.head.arch}, STEP_SOURCES)
         what = f"the head step for {key[0]} rows over a {key[1]}-slot cache"
         runner = (self.store.load_or_build(store_key, bound, tensors, what) if self.build
                   else self.store.load(store_key, bound))
