@@ -194,11 +194,9 @@ class StepCompiler:
     def _constants(self, layer_ids: tuple[int, ...]) -> dict:
         return {"layers": layer_ids, "model": self.target.config.to_json_string(use_diff=False)}
 
-    def package_key(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]) -> str:
-        """The store's key of the package that serves these inputs (cache: a StaticKVCache or view)."""
-        flat = _FlatStep(self.module, cache, layer_ids)
-        return self.store.key("target-step", flat, (input_ids, positions, mask, _cache_inputs(cache.hf_cache)),
-                              self._constants(layer_ids), STEP_SOURCES)
+    def _package_key(self, flat: _FlatStep, args: tuple) -> str:
+        """The store's key of the package that runs `flat` on `args` (the step's tensors, the cache's included)."""
+        return self.store.key("target-step", flat, args, self._constants(flat.layer_ids), STEP_SOURCES)
 
     def has_graphs(self, cache) -> bool:
         """Whether any plain-step package for this target (over caches like `cache`) was built on this machine."""
@@ -224,19 +222,23 @@ class StepCompiler:
         """The compiled callable for `key` (loaded, built or, on CUDA, compiled on its first call), or None
         when its package is missing and may not be built."""
         if not self.packages:
-            fn = self._fn
-            return lambda c, *args: call_known_graph(fn, (c.hf_cache, *args), c.device) if key in self._graphs \
-                else fn(c.hf_cache, *args)
+            fn, known = self._fn, self._graphs
+
+            def compiled(c, *args):
+                if key in known:  # its graph exists: dynamo's full guard evaluation is skipped
+                    return call_known_graph(fn, (c.hf_cache, *args), c.device)
+                return fn(c.hf_cache, *args)
+            return compiled
         flat = _FlatStep(self.module, cache, layer_ids)
         args = (input_ids, positions, mask, _cache_inputs(cache.hf_cache))
-        store_key = self.package_key(cache, input_ids, positions, mask, layer_ids)
+        store_key = self._package_key(flat, args)
         what = f"the target step for {_shape_name(key[1], key[2])} over {cache.capacity} positions"
         # export traces on fake tensors: building writes nothing into the cache
         runner = self.store.load_or_build(store_key, flat, args, what) if self.build else self.store.load(store_key, flat)
         if runner is None:
             return None
 
-        def call(c, ids, pos, msk, ids_layers):
+        def call(c, ids, pos, msk, _layer_ids):  # the layers are part of the package
             out = runner(ids, pos, msk, _cache_inputs(c.hf_cache))
             return (out[0], None, out[1]) if len(out) == 2 else tuple(out)
         return call
