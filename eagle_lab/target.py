@@ -63,6 +63,19 @@ class Target(ModelShape):
         self.max_context = min(max_context, model_limit) if max_context > 0 else model_limit
         params = inspect.signature(self.backbone.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.packed_rows: frozenset[int] = frozenset()  # row counts whose GEMMs use prepacked weights
+
+    def pack_linears(self, rows: list[int]) -> int:
+        """Forwards over any of `rows` tokens multiply by weights prepacked for that many rows (CPU, float32;
+        decoding/packed_linear.py); returns how many linear layers were wrapped, 0 where packing is unavailable."""
+        from eagle_lab.decoding.packed_linear import available, pack_linears
+
+        if not available(self.device, self.dtype):
+            return 0
+        wrapped = pack_linears(self.model, set(rows))
+        self.lm_head = self.model.get_output_embeddings()
+        self.packed_rows = self.packed_rows | frozenset(r for r in rows if r > 1)
+        return wrapped
 
     @property
     def device(self) -> torch.device:

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 CPU_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
 CHOICE_FILE = "compile_choice.json"
 EAGER_MARGIN = 0.9  # compile=auto keeps a shape eager only when eager timed at least 10% faster
-STEP_SOURCES = ("decoding/compiled.py", "quantized.py")  # what the target step's packages are built from
+STEP_SOURCES = ("decoding/compiled.py", "decoding/packed_linear.py", "quantized.py")  # what the target step's packages are built from
 
 
 def inductor_cache_dir() -> str:
@@ -193,7 +193,8 @@ class StepCompiler:
         return f"{_choice_key(self.target)}:{rows}x{tokens}:{','.join(map(str, layer_ids))}"
 
     def _constants(self, layer_ids: tuple[int, ...]) -> dict:
-        return {"layers": layer_ids, "model": self.target.config.to_json_string(use_diff=False)}
+        return {"layers": layer_ids, "model": self.target.config.to_json_string(use_diff=False),
+                "packed_rows": sorted(self.target.packed_rows)}
 
     def _package_key(self, flat: _FlatStep, args: tuple) -> str:
         """The store's key of the package that runs `flat` on `args` (the step's tensors, the cache's included)."""

@@ -129,6 +129,8 @@ def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig
                              "target_costs": "per bucket",
                              "min_attended_length": getattr(backend, "min_attended_length", 0),
                              "head_step": "compiled" if drafter.runner.compiled else "eager"}
+    if getattr(target, "packed_rows", None):  # prepacked GEMMs: other costs per bucket
+        fields["packed_rows"] = sorted(target.packed_rows)
     if getattr(target, "weights", "fp32") != "fp32":  # quantized weights: other costs, other acceptance
         fields["target_weights"] = target.weights
     if head.dtype != target.dtype:  # a head drafting in its own dtype costs and accepts differently
