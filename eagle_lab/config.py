@@ -71,6 +71,13 @@ class BenchConfig:
     interleave: bool = True
     # e.g. [1,2,4,8]: the batched server sweep (eagle_lab/benchmark/sweep.py)
     concurrency: list[int] = field(default_factory=list)
+    # the llamacpp* methods (eagle_lab/benchmark/llama_cpp_runs.py): llama.cpp's source with its tools built
+    # ("" = $EAGLE_LAB_LLAMA_CPP), the GGUF pair from `python -m eagle_lab.export format=gguf out=DIR`, which
+    # target file of it ("" = target-f32.gguf, else the only target-*.gguf), and the EAGLE-3 chain's length
+    llama_cpp: str = ""
+    gguf_dir: str = ""
+    gguf_target: str = ""
+    llama_cpp_draft: int = 3
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from eagle_lab.benchmark.llama_cpp_runs import LLAMA_CPP_METHODS
 from eagle_lab.benchmark.methods import split_method
 from eagle_lab.benchmark.report import REFERENCE
 from eagle_lab.benchmark.runs import Run
@@ -11,13 +12,22 @@ from eagle_lab.builders import SPECULATIVE
 from eagle_lab.generate import GenerationStats
 
 
-def summarise(methods: list[str], runs: dict[str, list[Run]], greedy: bool) -> dict[str, dict[str, Any]]:
-    """Per-method figures at one temperature; `runs` lacks the methods that were skipped."""
-    reference = runs.get(REFERENCE)
+def plain_reference(method: str) -> str:
+    """The method whose greedy output `method`'s must equal: the same engine's plain decoding."""
+    return "llamacpp" if method in LLAMA_CPP_METHODS else REFERENCE
+
+
+def summarise(methods: list[str], runs: dict[str, list[Run]], greedy: bool,
+              skipped: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """Per-method figures at one temperature; `runs` lacks the methods that were skipped (`skipped`: why, by
+    method; greedy-only methods at T > 0 otherwise). Greedy outputs are compared with the same engine's plain
+    decoding (eagle_lab's vanilla; llama.cpp's own for its methods)."""
+    skipped = skipped or {}
     summary: dict[str, dict[str, Any]] = {}
     for method in methods:
         if method not in runs:
-            summary[method] = {"status": "skipped", "note": "greedy only: skipped at temperature > 0"}
+            summary[method] = {"status": "skipped",
+                               "note": skipped.get(method, "greedy only: skipped at temperature > 0")}
             continue
         method_runs = runs[method]
         new_tokens = sum(len(r.token_ids) for r in method_runs)
@@ -43,6 +53,7 @@ def summarise(methods: list[str], runs: dict[str, list[Run]], greedy: bool) -> d
             row["acceptance_by_depth"] = acceptance_by_depth([r.stats for r in method_runs if r.stats])
         if split_method(method)[0] in SPECULATIVE:
             row["ngram_share"] = ngram_share([r.stats for r in method_runs if r.stats])
+        reference = runs.get(plain_reference(method))
         if greedy and reference is not None:
             row["greedy_mismatches"] = sum(r.token_ids != ref.token_ids for r, ref in zip(method_runs, reference))
         summary[method] = row
@@ -69,10 +80,11 @@ def acceptance_by_depth(stats: list[GenerationStats]) -> list[dict[str, Any]]:
     return rows
 
 def prompt_records(runs: dict[str, list[Run]], temperature: float, tokenizer, greedy: bool) -> list[dict[str, Any]]:
-    """One record per (method, prompt) at this temperature."""
-    reference = runs.get(REFERENCE)
+    """One record per (method, prompt) at this temperature; `matches_plain`: greedy output equal to the same
+    engine's plain decoding."""
     records = []
     for method, method_runs in runs.items():
+        reference = runs.get(plain_reference(method))
         for index, run in enumerate(method_runs):
             records.append({
                 "temperature": temperature,
@@ -84,7 +96,7 @@ def prompt_records(runs: dict[str, list[Run]], temperature: float, tokenizer, gr
                 "target_forwards": run.target_forwards,
                 "tau": len(run.token_ids) / run.target_forwards if run.target_forwards else None,
                 "stop_reason": run.stop_reason,
-                "matches_vanilla": (run.token_ids == reference[index].token_ids
+                "matches_plain": (run.token_ids == reference[index].token_ids
                                     if greedy and reference is not None else None),
                 "token_ids": run.token_ids,
                 "text": tokenizer.decode(run.token_ids, skip_special_tokens=True),

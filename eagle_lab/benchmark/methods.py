@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from eagle_lab.benchmark.llama_cpp_runs import LLAMA_CPP_METHODS
 from eagle_lab.builders import (build_draft_model_drafter, build_drafter, build_head, build_medusa_drafter,
                                 ngram_proposer)
 from eagle_lab.config import ServeConfig, TreeConfig
@@ -17,7 +18,7 @@ from eagle_lab.tree_search.presets import tree_preset
 
 log = logging.getLogger(__name__)
 METHODS = ("vanilla", "vanilla_eager", "eagle", "eagle+ngram", "ngram", "draft_model", "medusa", "hf_greedy",
-           "hf_prompt_lookup")
+           "hf_prompt_lookup", *LLAMA_CPP_METHODS)
 HEAD_METHODS = ("eagle", "eagle+ngram")  # methods that run the head
 HF_METHODS = ("hf_greedy", "hf_prompt_lookup")
 GREEDY_ONLY = ("hf_prompt_lookup",)
@@ -79,6 +80,8 @@ def validate_bench(cfg: ServeConfig) -> None:
         raise EagleLabError(f"bench.temperatures repeats a value: {list(bench.temperatures)}")
     if any(m in ("eagle+ngram", "ngram") for m in bench.methods):
         ngram_proposer(cfg.ngram)  # raises EagleLabError on bad ngram.* values
+    if bench.llama_cpp_draft < 1:
+        raise EagleLabError(f"bench.llama_cpp_draft must be >= 1, got {bench.llama_cpp_draft}")
     if bench.warmup < 0:
         raise EagleLabError(f"bench.warmup must be >= 0, got {bench.warmup}")
     if cfg.max_new_tokens < 1:

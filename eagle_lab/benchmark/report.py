@@ -34,6 +34,7 @@ def write_markdown(results: dict[str, Any]) -> str:
         f"topk {tree['topk']} / {tree['total_tokens']} tokens{' (tree=auto)' if cfg['tree_auto'] else ''}; torch {cfg['torch']}, "
         f"transformers {cfg['transformers']}",
         *_ngram_lines(cfg),
+        *_llama_cpp_lines(cfg),
         "",
         "| T | method | tokens/s | tau | speedup | mean wall/prompt (s) | greedy mismatches | n-gram share | note |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
@@ -77,6 +78,14 @@ def _ngram_lines(cfg: dict[str, Any]) -> list[str]:
         line += (f"; eagle+ngram ran tree depth {tree['depth']} / topk {tree['topk']} / {tree['total_tokens']} "
                  f"tokens with chains of {hybrid['ngram_tokens']} tokens")
     return ["", line + " (n-gram share: accepted draft tokens from n-gram branches / all accepted draft tokens)"]
+
+
+def _llama_cpp_lines(cfg: dict[str, Any]) -> list[str]:
+    llama = cfg.get("llama_cpp")
+    if not llama:
+        return []
+    return [f"llama.cpp: target {llama['target']}, head {llama['head'] or '-'}, EAGLE-3 chains of {llama['draft']} "
+            "tokens, same threads; its methods' greedy outputs are compared with llamacpp's"]
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:

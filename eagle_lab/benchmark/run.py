@@ -9,6 +9,9 @@ One process, one target, the same prompts for every method:
   ngram             n-gram drafting alone, no head, through the same loop and verifier
   hf_greedy         `model.generate` (greedy at T=0, sampling at T>0)
   hf_prompt_lookup  `model.generate(prompt_lookup_num_tokens=10)`, greedy only
+  llamacpp, llamacpp_eagle3, llamacpp_ngram
+                    llama.cpp plain, with the head exported to GGUF, and with n-gram drafting
+                    (eagle_lab/benchmark/llama_cpp_runs.py; skipped with one line without llama.cpp)
 A speculative method may name a tree preset (conf/tree/*.yaml) after '@', so one run compares
 trees against the same vanilla baseline: bench.methods=[vanilla,eagle@cpu,eagle@auto]; without
 '@' a method uses the configured tree=.
@@ -28,6 +31,7 @@ from typing import Any
 
 from eagle_lab.benchmark.aggregate import prompt_records, summarise
 from eagle_lab.benchmark.hf_baseline import run_hf
+from eagle_lab.benchmark.llama_cpp_runs import LLAMA_CPP_METHODS, find_setup, run_llama_cpp
 from eagle_lab.benchmark.metadata import config_summary, preview, update_card
 from eagle_lab.benchmark.methods import (GREEDY_ONLY, HF_METHODS, METHODS, build_drafters, split_method, temperature_key,
                                          validate_bench)
@@ -53,6 +57,8 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
     if cfg.bench.concurrency:
         return run_sweep(cfg, resolve_run_dir(out_dir))
     validate_bench(cfg)
+    llama_cpp, why_not = find_setup(cfg.bench.llama_cpp, cfg.bench.gguf_dir, cfg.bench.gguf_target, cfg.bench.methods)
+    skipped = {m: why_not for m in cfg.bench.methods if m in LLAMA_CPP_METHODS and llama_cpp is None}
     prompts = load_bench_prompts(cfg.bench.dataset, cfg.bench.limit)
     run_dir = resolve_run_dir(out_dir)
     target = load_target(cfg.target)
@@ -61,6 +67,7 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
                             max_new_tokens=cfg.max_new_tokens, compile_ahead=True)  # no compile inside a timed run
     drafters = build_drafters(cfg, target, backend)
     ctx = make_context(cfg, target, drafters, backend)
+    ctx.llama_cpp = llama_cpp
     log.info("bench: %d prompts from %s, methods %s, temperatures %s -> %s", len(prompts), cfg.bench.dataset,
              ", ".join(cfg.bench.methods), ", ".join(map(str, cfg.bench.temperatures)), run_dir)
 
@@ -73,11 +80,17 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
         "summary": summary,
         "records": records,
     }
+    if llama_cpp is not None:
+        results["config"]["llama_cpp"] = {"tools": str(llama_cpp.tools), "target": llama_cpp.target.name,
+                                          "head": llama_cpp.head.name if llama_cpp.head else "",
+                                          "draft": cfg.bench.llama_cpp_draft}
     warmed: set[str] = set()
     for temperature in cfg.bench.temperatures:
         params = SamplingParams(temperature, cfg.top_k, cfg.top_p)
         active = []
         for method in cfg.bench.methods:
+            if method in skipped:
+                continue
             if method in GREEDY_ONLY and not params.greedy:
                 log.info("T=%g %s: skipped (greedy only)", temperature, method)
                 continue
@@ -90,7 +103,7 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
         else:
             runs = {method: run_prompts(ctx, method, encoded, params, temperature) for method in active}
         key = temperature_key(temperature)
-        summary[key] = summarise(cfg.bench.methods, runs, params.greedy)
+        summary[key] = summarise(cfg.bench.methods, runs, params.greedy, skipped)
         records.extend(prompt_records(runs, temperature, target.tokenizer, params.greedy))
         for method, row in summary[key].items():
             log.info("T=%s %s: tau %s, %s tok/s", key, method, _figure(row.get("tau")), _figure(row.get("tokens_per_s")))
@@ -150,6 +163,8 @@ def run_method(ctx: BenchContext, method: str, prompt_ids: list[int], params: Sa
         return _run_eagle_lab(ctx, method, prompt_ids, params)
     if method in HF_METHODS:
         return run_hf(ctx, method, prompt_ids, params)
+    if method in LLAMA_CPP_METHODS:
+        return run_llama_cpp(ctx, ctx.llama_cpp, method, prompt_ids, params)
     raise EagleLabError(f"unknown bench method '{method}' (choose from {', '.join(METHODS)})")
 
 def _run_eagle_lab(ctx: BenchContext, method: str, prompt_ids: list[int], params: SamplingParams) -> Run:

@@ -38,6 +38,7 @@ class BenchContext:
     pad_token_id: int
     cache_kwarg: str  # the name `model.generate` takes a cache under
     backend: Backend | None = None  # how vanilla and the speculative methods run the target (None: eager)
+    llama_cpp: Any = None  # llama_cpp_runs.LlamaCppSetup when llama.cpp methods run
 
 def make_context(cfg: ServeConfig, target: Target, drafters: dict[str, Drafter],
                  backend: Backend | None = None) -> BenchContext:
