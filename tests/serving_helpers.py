@@ -86,3 +86,40 @@ def reference(overrides: list[str], prompts: list, tmp_path: Path) -> list[dict]
         serve_run(OmegaConf.create(OmegaConf.to_container(
             composed([*overrides, f"prompts_file={file}", "output=json"]), resolve=True)))
     return [json.loads(line) for line in out.getvalue().splitlines() if line.strip()]
+
+
+class HeldRounds:
+    """Wraps a running scheduler's rounds (as a context manager): the first round waits until `arrivals`
+    requests have reached the scheduler, so requests meet in one batch on any machine, however fast; every
+    round's batch size is recorded. `gate`: while it is cleared, no round runs at all."""
+
+    def __init__(self, scheduler, arrivals: int = 1, timeout: float = 60.0):
+        self.scheduler, self.arrivals, self.timeout = scheduler, arrivals, timeout
+        self.sizes: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self._original = None
+        self._first = True
+
+    def _round(self, jobs) -> None:
+        if not self.gate.wait(self.timeout):
+            raise TimeoutError("a held round was never released")
+        deadline = time.monotonic() + self.timeout
+        while self._first and self.scheduler.waiting + len(jobs) < self.arrivals and time.monotonic() < deadline:
+            time.sleep(0.001)  # the requests are on their way: the scheduler thread waits for them
+        self._first = False
+        self.sizes.append(len(jobs))
+        self._original(jobs)
+
+    @property
+    def peak(self) -> int:
+        return max(self.sizes, default=0)
+
+    def __enter__(self) -> "HeldRounds":
+        self._original = self.scheduler._round
+        self.scheduler._round = self._round
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.gate.set()
+        self.scheduler._round = self._original

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving_helpers import TINY, RunningServer, reference, serve_config
+from tests.serving_helpers import TINY, HeldRounds, RunningServer, reference, serve_config
 
 MODEL = "tiny_llama"
 COMPLETION_PROMPTS = ["Hello there", "The quick brown fox", "def add(a, b):"]
@@ -236,10 +236,12 @@ def test_full_queue_answers_429_and_disconnects_free_slots(tmp_path):
         next(chunks)  # the waiting request got the slot
         second.close()
         running.wait_until(lambda: scheduler.counts["cancelled"] == 2 and scheduler.active == 0)
-        # a non-streaming client that gives up (read timeout) is cancelled too
+        # a non-streaming client that gives up (read timeout) is cancelled too; its request is held until then
         impatient = running.client(timeout=1.0)
-        with pytest.raises(openai.APITimeoutError):
-            impatient.completions.create(**long)
+        with HeldRounds(scheduler) as held:
+            held.gate.clear()
+            with pytest.raises(openai.APITimeoutError):
+                impatient.completions.create(**long)
         running.wait_until(lambda: scheduler.counts["cancelled"] == 3 and scheduler.active == 0)
         assert scheduler.counts["completed"] == 0
         expected = reference([*TINY, "chat=false", "max_new_tokens=12", "ignore_eos=true"], ["after"], tmp_path)[0]
@@ -255,13 +257,6 @@ def test_concurrent_requests_each_equal_batch_one(server, client, tmp_path):
     expected = reference([*TINY, "chat=false", "max_new_tokens=20", "ignore_eos=true"], prompts, tmp_path)
     results: dict[int, list[int]] = {}
     errors: dict[int, BaseException] = {}
-    peak = [0]
-    stop_watch = threading.Event()
-
-    def watch():
-        # poll, never spin: a busy loop here holds the GIL and starves the scheduler thread
-        while not stop_watch.wait(0.005):
-            peak[0] = max(peak[0], server.scheduler.active)
 
     def ask(i: int):
         try:
@@ -271,19 +266,16 @@ def test_concurrent_requests_each_equal_batch_one(server, client, tmp_path):
         except Exception as error:  # reported below, with the request it belongs to
             errors[i] = error
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    stop_watch.set()
-    watcher.join()
+    with HeldRounds(server.scheduler, arrivals=8) as held:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
     assert not errors, f"requests failed: {errors}"
     assert not any(t.is_alive() for t in threads), "requests still running after 120 s"
     assert [results.get(i) for i in range(8)] == [row["token_ids"] for row in expected]
-    assert 2 <= peak[0] <= 4  # sequences were active together, never more than max_batch
+    assert held.peak == 4  # sequences were active together, never more than max_batch
 
 
 @pytest.mark.parametrize("method", ["vanilla", "ngram"])

@@ -5,13 +5,12 @@ Every request must succeed and equal what serve.py prints for it alone."""
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.serving_helpers import TINY, RunningServer, reference, serve_config
+from tests.serving_helpers import TINY, HeldRounds, RunningServer, reference, serve_config
 
 MODEL = "tiny_llama"
 CLIENTS, MAX_TOKENS, SEED = 8, 24, 11
@@ -50,7 +49,7 @@ def test_concurrent_clients_with_bad_ones_in_the_middle(tmp_path):
     }
     kinds = list(expected)
     with RunningServer(serve_config(*TINY, "server.max_batch=8", "server.max_queue=64")) as running:
-        results, errors, peak, active_then = {}, [], [0], []
+        results, errors, active_then = {}, [], []
         busy = threading.Event()
 
         def client_thread(i: int):
@@ -83,21 +82,14 @@ def test_concurrent_clients_with_bad_ones_in_the_middle(tmp_path):
             next(iter(stream))
             stream.close()  # mid-stream disconnect among the others
 
-        def watch(stop: threading.Event):
-            while not stop.is_set():
-                peak[0] = max(peak[0], running.scheduler.active)
-                time.sleep(0.002)
-
-        stop = threading.Event()
         threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(CLIENTS)]
-        threads += [threading.Thread(target=troublemaker), threading.Thread(target=watch, args=(stop,))]
-        for thread in threads:
-            thread.start()
-        for thread in threads[:-1]:
-            thread.join(120)
-        stop.set()
-        threads[-1].join()
-        unfinished = [t.name for t in threads[:-1] if t.is_alive()]
+        threads += [threading.Thread(target=troublemaker)]
+        with HeldRounds(running.scheduler, arrivals=CLIENTS) as held:  # the first requests meet in one batch
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+        unfinished = [t.name for t in threads if t.is_alive()]
         running.wait_until(lambda: running.scheduler.active == 0)
         counts = dict(running.scheduler.counts)
 
@@ -106,7 +98,7 @@ def test_concurrent_clients_with_bad_ones_in_the_middle(tmp_path):
     for i in range(CLIENTS):
         for kind in kinds:
             assert results[(i, kind)] == expected[kind][i], (i, kind)
-    assert peak[0] >= 4  # requests really ran together
+    assert held.peak >= 4  # requests really ran together
     assert active_then and active_then[0] > 0  # the bad requests came while others were decoding
     assert counts["completed"] == 3 * CLIENTS and counts["cancelled"] == 1 and counts["failed"] == 0
 

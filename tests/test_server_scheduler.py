@@ -193,12 +193,9 @@ def test_one_shared_drafter_would_corrupt_interleaved_sequences(tiny_llama, prot
     solo_drafters = [RecordingDrafter(fork_eagle(prototype)) for _ in PROMPTS]
     solo = [run_alone(gen) for gen in decoders(tiny_llama, solo_drafters, params)]
     shared = RecordingDrafter(fork_eagle(prototype))
-    try:
-        mixed = run_interleaved(decoders(tiny_llama, [shared] * len(PROMPTS), params))
-    except (RuntimeError, IndexError):  # mismatched cache lengths can also fail outright
-        return
+    run_interleaved(decoders(tiny_llama, [shared] * len(PROMPTS), params))
     solo_trees = [tree for d in solo_drafters for tree in d.trees]
-    assert mixed != solo or sorted(shared.trees) != sorted(solo_trees)
+    assert sorted(shared.trees) != sorted(solo_trees)
 
 
 def test_forks_share_weights_not_state(prototype):
