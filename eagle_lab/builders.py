@@ -35,8 +35,12 @@ METHODS = ("eagle", "vanilla", "ngram", "draft_model", "medusa")
 SPECULATIVE = ("eagle", "ngram", "eagle+ngram", "draft_model", "medusa")  # decoders that run a drafter through speculative_decode
 
 
-def packaged_head_dir(target_name: str) -> Path | None:
+def packaged_head_dir(target_name: str, kind: str = "eagle2") -> Path | None:
+    """The head of `kind` packaged for a target, if there is one: assets/heads/<target>/ holds the EAGLE-2 head,
+    assets/heads/<target>/<kind>/ the others."""
     candidate = PACKAGED_HEADS / target_name
+    if kind != "eagle2":
+        candidate = candidate / kind
     return candidate if (candidate / "config.json").is_file() else None
 
 
@@ -58,7 +62,7 @@ def build_head(cfg: HeadConfig, target: Target) -> EagleHead:
 def _load_or_new_head(cfg: HeadConfig, target: Target) -> EagleHead:
     path = cfg.path
     if path == "":
-        packaged = packaged_head_dir(target.name)
+        packaged = packaged_head_dir(target.name, cfg.kind)
         path = str(packaged) if packaged else "random"
     if path == "random":
         log.warning("!" * 72)

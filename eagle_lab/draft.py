@@ -188,11 +188,16 @@ class EagleDrafter:
         return top_logp, self.head.draft_to_target[top_ids]
 
     def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
-        tree = self._draft_eagle(sequence, new_features, max_depth)
-        if self.ngram is not None and max_depth >= 1:  # the chain's depth is its length: cap it like the tree's
-            room = self.max_tree_tokens - tree.size if self.max_tree_tokens else max_depth
-            tree = merge_chain(tree, self.ngram.propose(sequence)[:max(min(max_depth, room), 0)])
-        return tree
+        return self.merge_ngram_chain(self._draft_eagle(sequence, new_features, max_depth), sequence, max_depth)
+
+    def merge_ngram_chain(self, tree: DraftTree, sequence: torch.Tensor, max_depth: int) -> DraftTree:
+        """The head's tree with the n-gram chain merged in (hybrid drafting; unchanged without it). The chain's
+        depth is its length, capped like the tree's, and by the room left under max_tree_tokens (the largest
+        static bucket): single and batched drafting both merge here."""
+        if self.ngram is None or max_depth < 1:
+            return tree
+        room = self.max_tree_tokens - tree.size if self.max_tree_tokens else max_depth
+        return merge_chain(tree, self.ngram.propose(sequence)[:max(min(max_depth, room), 0)])
 
     @torch.no_grad()
     def _draft_eagle(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:

@@ -83,8 +83,10 @@ def target_config(name: str, head_path: Path):
         if cfg is not None:
             log.debug("target %s (from %s)", cfg.name, resolved)
             return cfg
-    if head_path.resolve().parent == PACKAGED_HEADS.resolve() and (CONF_TARGETS / f"{head_path.name}.yaml").is_file():
-        return _target_from_yaml(CONF_TARGETS / f"{head_path.name}.yaml")
+    for target_dir in (head_path, head_path.parent):  # assets/heads/<target>/ and assets/heads/<target>/<kind>/
+        if (target_dir.resolve().parent == PACKAGED_HEADS.resolve()
+                and (CONF_TARGETS / f"{target_dir.name}.yaml").is_file()):
+            return _target_from_yaml(CONF_TARGETS / f"{target_dir.name}.yaml")
     return None
 
 

@@ -214,3 +214,25 @@ def test_a_failing_batched_draft_fails_its_jobs_and_the_server_goes_on(engine, m
     scheduler.stop(timeout=60)
     assert [c.tokens for c in survivors] == [expected_alone(engine, p) for p in later]
     assert scheduler.counts["failed"] == 2 and scheduler.counts["completed"] == 2
+
+
+def test_batched_hybrid_trees_stay_inside_the_largest_static_bucket():
+    """Eight rows drafting hybrid trees in one batch: the n-gram chain is cut to the room the head's tree leaves
+    under max_tree_tokens, as single-sequence drafting cuts it, so no tree outgrows the largest static bucket."""
+    target = small_vocab_target()  # its greedy output repeats itself: long n-gram chains
+    prototype = EagleDrafter(head_for(target, "eagle2"), target, TreeShape(2, 2, 3), ngram=NgramProposer(1, 3, 8))
+    prototype.max_tree_tokens = 8
+    prompts = [torch.tensor([1, 4, 2, 0] * (3 + i % 3) + [i % 5]) for i in range(8)]
+    sequences = [new_sequence(target, fork_eagle(prototype), p, 24) for p in prompts]
+    drafting, sizes, chains = BatchDrafter(), [], 0
+    for _ in range(5):
+        live = [s for s in sequences if not s.done]
+        for sequence in live:
+            sequence.prepare_draft(None)
+        assert drafting.draft(live) == [None] * len(live)
+        sizes += [s.tree.size for s in live]
+        chains += sum(s.tree.from_ngram is not None for s in live)
+        for sequence in live:
+            sequence.accept(sequence.score_alone())
+    drafting.release()
+    assert chains > 0 and max(sizes) <= 8, sizes

@@ -44,3 +44,19 @@ def test_eagle_greedy_equals_plain_greedy(smollm2):
         spec = generate(speculative_decode(smollm2, drafter, ids, greedy,
                                            Stopper(smollm2.tokenizer, 40, smollm2.eos_token_ids)))
         assert spec.token_ids == plain.token_ids, prompt
+
+
+@pytest.mark.slow
+def test_the_packaged_eagle3_head_is_served_by_head_eagle3_and_drafts_losslessly(smollm2):
+    from eagle_lab.builders import packaged_head_dir
+
+    assert packaged_head_dir("smollm2_135m", "eagle3") is not None
+    head = build_head(HeadConfig(kind="eagle3"), smollm2)
+    assert head.arch.kind == "eagle3" and list(head.arch.feature_layers or [2, 15, 27]) == [2, 15, 27]
+    drafter = EagleDrafter(head, smollm2, TreeShape(depth=3, topk=1, total_tokens=3))
+    greedy = SamplingParams()
+    ids = torch.tensor(encode_prompt(smollm2.tokenizer, PROMPTS[0], chat=True))
+    plain = generate(vanilla_decode(smollm2, ids, greedy, Stopper(smollm2.tokenizer, 40, set())))
+    spec = generate(speculative_decode(smollm2, drafter, ids, greedy, Stopper(smollm2.tokenizer, 40, set())))
+    assert spec.token_ids == plain.token_ids
+    assert len(spec.token_ids) / spec.stats.target_forwards > 1.2  # a trained head: drafts are accepted

@@ -29,7 +29,7 @@ def update_card(cfg: ServeConfig, target: Target, summary: dict[str, dict[str, A
     (tracked in the repository) is written only when head.path names its directory explicitly."""
     if not cfg.head.path:
         log.warning("bench.update_card: not rewriting the packaged head's card with this machine's figures; pass "
-                    "head.path=%s to do so on purpose", packaged_head_dir(target.name) or "DIR")
+                    "head.path=%s to do so on purpose", packaged_head_dir(target.name, cfg.head.kind) or "DIR")
         return
     head = cfg.head.path
     eagle = [m for m in cfg.bench.methods if split_method(m)[0] == "eagle"]
@@ -48,7 +48,7 @@ def config_summary(cfg: ServeConfig, target: Target, num_prompts: int,
                    drafters: dict[str, Drafter] | None = None, backend: Backend | None = None) -> dict[str, Any]:
     head = cfg.head.path
     if head == "":
-        packaged = packaged_head_dir(target.name)
+        packaged = packaged_head_dir(target.name, cfg.head.kind)
         head = str(packaged) if packaged else "random"
     device = target.device
     drafters = drafters or {}

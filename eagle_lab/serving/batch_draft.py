@@ -30,7 +30,6 @@ import torch
 
 from eagle_lab.draft import Candidates, EagleDrafter
 from eagle_lab.head import EagleHead, HeadKVCache
-from eagle_lab.ngram import merge_chain
 from eagle_lab.serving.sequence import Sequence
 from eagle_lab.tree import DraftTree, build_tree, root_only_tree, select_best
 
@@ -96,9 +95,7 @@ class Row:
             kept, new_parents = select_best(scores, parents, drafter.shape.total_tokens)
             tree = build_tree(torch.cat([torch.tensor([root], device=device), tokens[kept]]),
                               torch.cat([torch.tensor([-1], device=device), new_parents]))
-        if drafter.ngram is not None and self.max_depth >= 1:
-            tree = merge_chain(tree, drafter.ngram.propose(sequence)[:self.max_depth])
-        return tree
+        return drafter.merge_ngram_chain(tree, sequence, self.max_depth)
 
 
 class HeadBatch:
