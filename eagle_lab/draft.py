@@ -16,6 +16,8 @@ the context is merged into the tree afterwards (eagle_lab/ngram.py); with drafti
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,7 +179,36 @@ class EagleDrafter:
             return
         temperature = 0.0 if params.greedy else params.temperature
         choice = min(self.choices, key=lambda c: abs(c.temperature - temperature))
-        self.shape, self.ngram = choice.shape, choice.ngram
+        self.use_tree(choice.shape, choice.ngram)
+
+    def adopt_choices(self, choices: tuple[TreeChoice, ...]) -> None:
+        """tree=auto's trees by temperature: the first is drafted until select() picks another."""
+        self.choices = tuple(choices)
+        self.use_tree(self.choices[0].shape, self.choices[0].ngram)
+
+    def use_tree(self, shape: TreeShape, ngram: NgramProposer | None = None) -> None:
+        """Draft `shape` from now on, with `ngram`'s chains merged in (None: no chains)."""
+        self.shape, self.ngram = shape, ngram
+
+    @contextlib.contextmanager
+    def tree_as(self, shape: TreeShape | None = None, ngram: NgramProposer | None | str = "keep"):
+        """Draft `shape` (None: the current one) with `ngram` (None: no chains; "keep": the current proposer)
+        inside the block; the tree drafted before it comes back after, whatever happens inside."""
+        saved = self.shape, self.ngram
+        self.use_tree(shape or self.shape, self.ngram if ngram == "keep" else ngram)
+        try:
+            yield self
+        finally:
+            self.use_tree(*saved)
+
+    def adopt_cache(self, cache: HeadKVCache, committed: int) -> None:
+        """Continue from `cache`, whose first `committed` pairs are the committed sequence's (batched drafting
+        hands each row's cache back this way)."""
+        self.cache, self.committed = cache, committed
+
+    def count_committed(self, pairs: int) -> None:
+        """The committed sequence's pairs, while a batch holds them in its own cache (batched drafting)."""
+        self.committed = pairs
 
     def reset(self) -> None:
         self.cache = self.new_cache()

@@ -48,6 +48,12 @@ class DraftModelDrafter:
         self.committed = 0  # tokens of the committed sequence in the draft model's cache
         self.last_candidates: Candidates | None = None
 
+    def use_tree(self, shape: TreeShape, ngram=None) -> None:
+        """Draft `shape` from now on (a draft model merges no n-gram chains)."""
+        if ngram is not None:
+            raise EagleLabError("a draft model merges no n-gram chains")
+        self.shape = shape
+
     def reset(self) -> None:
         self.cache = self.model.new_cache()
         self.committed = 0

@@ -13,6 +13,7 @@ import torch
 
 from eagle_lab.draft import Candidates, TreeShape, grow_dynamic_tree
 from eagle_lab.head import draft_lm_head_weight
+from eagle_lab.errors import EagleLabError
 from eagle_lab.medusa import MedusaHeads
 from eagle_lab.target import Target
 from eagle_lab.tree import DraftTree, root_only_tree
@@ -24,9 +25,15 @@ class MedusaDrafter:
 
     def __init__(self, heads: MedusaHeads, target: Target, shape: TreeShape):
         self.heads, self.target = heads.eval(), target
-        self.shape = TreeShape(min(shape.depth, heads.arch.num_heads), shape.topk, shape.total_tokens)
+        self.use_tree(shape)
         self.rows = draft_lm_head_weight(heads, target)  # [Vd, H] the target's LM-head rows
         self.last_candidates: Candidates | None = None
+
+    def use_tree(self, shape: TreeShape, ngram=None) -> None:
+        """Draft `shape` from now on, no deeper than there are heads (Medusa merges no n-gram chains)."""
+        if ngram is not None:
+            raise EagleLabError("Medusa heads merge no n-gram chains")
+        self.shape = TreeShape(min(shape.depth, self.heads.arch.num_heads), shape.topk, shape.total_tokens)
 
     def reset(self) -> None:
         pass  # no state between rounds: the heads read the newest target feature only

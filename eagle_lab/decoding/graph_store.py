@@ -68,7 +68,7 @@ def cpu_features() -> str:
     return f"{platform.machine()}:{capability}:{'+'.join(present)}"
 
 
-def _source_digest(sources: tuple[str, ...]) -> str:
+def source_digest(sources: tuple[str, ...]) -> str:
     """eagle_lab's code that defines an exported step (paths under eagle_lab/) and this module: a change there
     invalidates that step's packages, and only those."""
     digest = hashlib.sha1()
@@ -121,7 +121,7 @@ class GraphStore:
             self._environment = environment()
         weights = sorted((n, list(t.shape), str(t.dtype)) for n, t in module_constants(module).items())
         frozen = self._weights_digest(module) if self.frozen else ""
-        text = json.dumps([self._environment, _source_digest(sources), name, type(module).__name__, weights,
+        text = json.dumps([self._environment, source_digest(sources), name, type(module).__name__, weights,
                            sorted((str(k), repr(v)) for k, v in constants.items()), frozen], sort_keys=True)
         return f"{name}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
 

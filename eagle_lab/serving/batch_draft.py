@@ -113,10 +113,11 @@ class HeadBatch:
             if sequence.done:
                 continue
             drafter = sequence.drafter
-            drafter.cache = drafter.new_cache()
+            own = drafter.new_cache()
             if drafter.committed:
-                drafter.cache.load(self.cache.keys[row: row + 1, :, :drafter.committed],
-                                   self.cache.values[row: row + 1, :, :drafter.committed])
+                own.load(self.cache.keys[row: row + 1, :, :drafter.committed],
+                         self.cache.values[row: row + 1, :, :drafter.committed])
+            drafter.adopt_cache(own, drafter.committed)
         self.drop()
 
     def drop(self) -> None:
@@ -188,7 +189,7 @@ class HeadBatch:
             moved = steps[:count] + width  # row i's new entries, moved to [past, past + count)
             for tensor in (self.cache.keys, self.cache.values):  # (B, kvH, W + P, D)
                 tensor[i, :, past: past + count] = tensor[i].index_select(1, moved)
-            drafter.committed = past + count
+            drafter.count_committed(past + count)
         self.cache.crop(max(d.committed for d in drafters))  # (B, kvH, W', D)
         last = torch.tensor([max(count - 1, 0) for count in counts], device=device)
         return out[torch.arange(len(rows), device=device), last]  # [B, H]

@@ -123,16 +123,17 @@ class Sequence:
         device = self.sequence.device
         chain = shape.ngram_tokens if isinstance(shape, BatchTree) else None
         shape = shape.shape if isinstance(shape, BatchTree) else shape
+        ngram = getattr(self.drafter, "ngram", None)
         if self.own_ngram is not None:  # hybrid drafting: this batch size's chain length, or the own one
             own = self.own_ngram
-            self.drafter.ngram = own if chain is None else replace(own, max_tokens=chain) if chain else None
+            ngram = own if chain is None else replace(own, max_tokens=chain) if chain else None
         effective = shape if shape is not None else self.own_shape
-        plain = effective is not None and effective.depth == 0 and getattr(self.drafter, "ngram", None) is None
+        if effective is not None and hasattr(self.drafter, "use_tree"):
+            self.drafter.use_tree(effective, ngram)
+        plain = effective is not None and effective.depth == 0 and ngram is None
         if self.drafter is None or plain:  # (with n-gram branches, depth 0 is n-gram drafting alone)
             self.tree = root_only_tree(root, device)
             return None
-        if hasattr(self.drafter, "shape"):
-            self.drafter.shape = effective
         return self.target.max_context - 1 - self.past
 
     def set_tree(self, tree: DraftTree) -> DraftTree:

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from eagle_lab.draft import BatchTree, EagleDrafter, TreeShape
+from eagle_lab.decoding.graph_store import source_digest
 from eagle_lab.embedded import cache_root
 from eagle_lab.ngram import NgramProposer
 from eagle_lab.serving.batch import gather_caches, padded_mask
@@ -57,9 +58,10 @@ from eagle_lab.tree_search.validate import VALIDATE_TOP, measured_best, with_pla
 log = logging.getLogger(__name__)
 PROBE_BATCHES = (2, 4, 8)
 PROBE_TOKENS = (1, 4, 8, 16, 32)  # K per row; beyond, costs are extrapolated linearly
-# The batched round's implementation, in the key of its cached timings: a change that moves its
-# cost (2: the rows' verification in lockstep) makes the timings be taken again, not reused.
-ROUND_VERSION = 2
+# The batched round's code: a digest of these files is in the key of its cached timings, so a change
+# that may move the round's cost has them taken again instead of reused.
+ROUND_SOURCES = ("serving/batching.py", "serving/sequence.py", "serving/batch_draft.py", "serving/batch.py",
+                 "serving/timed_batch.py", "decoding/static_rows.py", "decoding/round.py", "verify.py")
 
 
 def interpolate(table: dict[int, float], x: float) -> float:
@@ -277,18 +279,16 @@ def trees_per_batch(target: Target, drafter: EagleDrafter, fixed: TreeShape, max
     if max_batch < 2:
         return {}
     search = search or TreeSearchConfig()
-    chosen_ngram, drafter.ngram = drafter.ngram, ngram  # the calibration tree=auto made (and cached)
-    try:
+    chosen_ngram = drafter.ngram
+    with drafter.tree_as(ngram=ngram):  # the calibration tree=auto made (and cached)
         summary, costs, path = calibration(target, drafter, fixed, prompts, search=search)
-        drafter.ngram = None  # drafting is timed without chains, as calibration times it
+    with drafter.tree_as(ngram=None):  # drafting is timed without chains, as calibration times it
         scales = probe_drafting(target, drafter, search.context, max_batch)
-    finally:
-        drafter.ngram = chosen_ngram
     hybrid = chosen_ngram is not None
     shapes = [row for row in summary["shapes"] if hybrid or not row.get("ngram_tokens")]
     ranked = ranked_per_batch(shapes, costs, probe(target, search.context, max_batch), max_batch, fixed, scales)
     key = f"d{fixed.depth}-k{fixed.topk}-n{fixed.total_tokens}-b{max_batch}-{'hybrid' if hybrid else 'head'}" \
-          f"-t{torch.get_num_threads()}-r{ROUND_VERSION}"
+          f"-t{torch.get_num_threads()}-s{source_digest(ROUND_SOURCES)}"
     done = summary.setdefault("validated_batch", {})
     if key not in done:
         log.info("tree per batch size: timing the best trees and plain decoding in batched rounds (once; cached "

@@ -153,16 +153,12 @@ def calibrate(target: Target, drafter: EagleDrafter, prompts: list[list[int]], s
     target_ms = measure_target_costs(target, search.context, backend=backend)
     log.info("tree=auto [2/%d]: timing the head's draft steps for top-k %s", steps, search.topks)
     first_ms, level_ms = measure_draft_costs(drafter, target, search.topks, search.context)
-    saved = drafter.shape
     big, small = TreeShape(*search.record_shape), TreeShape(*search.probe_shape)
-    drafter.shape = big
     log.info("tree=auto [3/%d]: recording %d greedy runs of %d tokens with the largest tree", steps, len(prompts),
              search.new_tokens)
-    try:
+    with drafter.tree_as(big):
         recording, big_ms = record(target, drafter, prompts, search.new_tokens, ngram, backend,
                                    search.sampled_temperatures)
-    finally:
-        drafter.shape = saved
     timing_prompts = prompts[:1] if quick else prompts  # a median over rounds: one prompt gives dozens
     log.info("tree=auto [4/%d]: timing a small tree and the no-draft path%s", steps, " (one prompt)" if quick else "")
     small_ms = timed_rounds(target, drafter, timing_prompts, search.new_tokens, small, backend)
@@ -206,11 +202,8 @@ def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts
             log.info("tree=auto: measuring costs and acceptance on %s, once (about 4 min on a 2-core CPU, longer "
                      "when it compiles); cached in %s", target.device, path)
         prompts = prompts if prompts is not None else calibration_prompts(target)
-        drafter.ngram = None  # calibrate times the head's trees alone; chains are recorded beside them
-        try:
+        with drafter.tree_as(ngram=None):  # the head's trees are timed alone; chains are recorded beside them
             summary = calibrate(target, drafter, prompts, search, ngram, backend, quick)
-        finally:
-            drafter.ngram = ngram
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2))
     return summary, cost_model(summary), path
@@ -291,8 +284,7 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
         chain = int(best.get("ngram_tokens", 0))
         choices.append(TreeChoice(temperature, TreeShape(**best["shape"]),
                                   replace(ngram, max_tokens=chain) if ngram is not None and chain else None))
-    drafter.choices = tuple(choices)
-    drafter.shape, drafter.ngram = choices[0].shape, choices[0].ngram
+    drafter.adopt_choices(tuple(choices))
     return choices[0].shape
 
 

@@ -157,19 +157,18 @@ def measure_draft_costs(drafter: EagleDrafter, target: Target, topks, context: i
     sequence = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
     out = target.forward(sequence[None], layer_ids=drafter.feature_layers)
     feats = (out.layer_features if out.layer_features is not None else out.features)[0]  # [T, F]
-    original = drafter.shape
 
     def draft(depth: int, k: int, reps: int = 5) -> float:
-        drafter.shape = TreeShape(depth, k, k * depth)
         times = []
-        for _ in range(reps + 1):  # the first is a warm-up (and, compiled, the graphs' first call)
-            drafter.reset()
-            drafter.feed(sequence[:-3], feats[: context - 4])  # a committed prefix, as mid-generation
-            _synchronize()
-            start = time.perf_counter()
-            drafter.draft(sequence, feats[context - 4: context - 1], max_depth=depth)
-            _synchronize()
-            times.append(1000 * (time.perf_counter() - start))
+        with drafter.tree_as(TreeShape(depth, k, k * depth)):
+            for _ in range(reps + 1):  # the first is a warm-up (and, compiled, the graphs' first call)
+                drafter.reset()
+                drafter.feed(sequence[:-3], feats[: context - 4])  # a committed prefix, as mid-generation
+                _synchronize()
+                start = time.perf_counter()
+                drafter.draft(sequence, feats[context - 4: context - 1], max_depth=depth)
+                _synchronize()
+                times.append(1000 * (time.perf_counter() - start))
         return statistics.median(times[1:])
 
     first, levels = [], {}
@@ -179,7 +178,6 @@ def measure_draft_costs(drafter: EagleDrafter, target: Target, topks, context: i
             levels[k] = max((three - one) / 2, 0.0)
             first.append(one)
     finally:
-        drafter.shape = original
         drafter.reset()
     return statistics.median(first), levels
 
@@ -187,16 +185,13 @@ def measure_draft_costs(drafter: EagleDrafter, target: Target, topks, context: i
 def timed_rounds(target: Target, drafter: EagleDrafter, prompts: list[list[int]], new_tokens: int,
                  shape: TreeShape, backend: Backend | None = None) -> float:
     """Median ms per round of greedy runs with `shape` (depth 0: the no-draft path)."""
-    saved, drafter.shape = drafter.shape, shape
     round_ms: list[float] = []
-    try:
+    with drafter.tree_as(shape):
         for ids in prompts:
             decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device), SamplingParams(),
                                          Stopper(target.tokenizer, new_tokens, set()), backend=backend)
             stamps = [time.perf_counter() for _ in decoder]  # the prefill, then one chunk per round
             round_ms += [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
-    finally:
-        drafter.shape = saved
     return statistics.median(round_ms) if round_ms else 0.0
 
 
@@ -205,25 +200,23 @@ def timed_ngram_rounds(target: Target, drafter: EagleDrafter, prompts: list[list
     """Median ms an n-gram-only round (no head run, the root plus a chain) costs beyond its target
     forward, target(tree size): proposing, verification, compaction, bookkeeping. None when no
     round of the calibration prompts found a chain."""
-    saved_shape, saved_ngram, original_draft = drafter.shape, drafter.ngram, drafter.draft
-    sizes: list[int] = []
-
-    def sized_draft(sequence, new_features, max_depth):
-        tree = original_draft(sequence, new_features, max_depth)
-        sizes.append(tree.size)
-        return tree
-
-    drafter.shape, drafter.ngram, drafter.draft = TreeShape(0, 0, 0), ngram, sized_draft
+    sizes = TreeSizes()
     beyond: list[float] = []
-    try:
+    with drafter.tree_as(TreeShape(0, 0, 0), ngram):
         for ids in prompts:
             sizes.clear()
             decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device), SamplingParams(),
-                                         Stopper(target.tokenizer, new_tokens, set()), backend=backend)
+                                         Stopper(target.tokenizer, new_tokens, set()), backend=backend, observer=sizes)
             stamps = [time.perf_counter() for _ in decoder]  # the prefill, then one chunk per round
             for size, (a, b) in zip(sizes, zip(stamps, stamps[1:])):
                 if size > 1:  # a chain was merged
                     beyond.append(1000 * (b - a) - costs.target(size))
-    finally:
-        drafter.shape, drafter.ngram, drafter.draft = saved_shape, saved_ngram, original_draft
     return max(statistics.median(beyond), 0.0) if beyond else None
+
+
+class TreeSizes(list):
+    """A round observer: the size of every round's tree, in order."""
+
+    def phase(self, name: str, seconds: float, result) -> None:
+        if result is not None:
+            self.append(result.tree.size)

@@ -33,12 +33,10 @@ def decode_timings(target: Target, drafter: EagleDrafter, prompts: list[list[int
     them alike instead of on whichever was timed last. Sampling: every candidate draws from the
     same seed on a prompt."""
     totals = [{"tokens": 0, "rounds": 0, "seconds": 0.0} for _ in candidates]
-    saved_shape, saved_ngram = drafter.shape, drafter.ngram
-    try:
-        for p, ids in enumerate(prompts):
-            for c in [(p + i) % len(candidates) for i in range(len(candidates))]:
-                drafter.shape, drafter.ngram = candidates[c]
-                generator = None if params.greedy else torch.Generator(target.device).manual_seed(p)
+    for p, ids in enumerate(prompts):
+        for c in [(p + i) % len(candidates) for i in range(len(candidates))]:
+            generator = None if params.greedy else torch.Generator(target.device).manual_seed(p)
+            with drafter.tree_as(*candidates[c]):
                 decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device),
                                              params, Stopper(target.tokenizer, new_tokens, set()),
                                              generator, backend=backend)
@@ -46,11 +44,9 @@ def decode_timings(target: Target, drafter: EagleDrafter, prompts: list[list[int
                 for i, chunk in enumerate(decoder):  # the prefill's token, then one chunk per round
                     stamps.append(time.perf_counter())
                     tokens += len(chunk) if i else 0
-                totals[c]["tokens"] += tokens
-                totals[c]["rounds"] += len(stamps) - 1
-                totals[c]["seconds"] += stamps[-1] - stamps[0]
-    finally:
-        drafter.shape, drafter.ngram = saved_shape, saved_ngram
+            totals[c]["tokens"] += tokens
+            totals[c]["rounds"] += len(stamps) - 1
+            totals[c]["seconds"] += stamps[-1] - stamps[0]
     return totals
 
 
