@@ -17,7 +17,7 @@ import torch
 from eagle_lab.cache import cache_length, truncate
 from eagle_lab.draft import Candidates, TreeShape, grow_dynamic_tree
 from eagle_lab.errors import EagleLabError
-from eagle_lab.target import Target
+from eagle_lab.target import Target, additive_mask
 from eagle_lab.tree import DraftTree, root_only_tree
 
 
@@ -87,8 +87,7 @@ class DraftModelDrafter:
             past = cache_length(self.cache)  # committed + earlier levels' frontiers
             allowed = torch.ones(k, past + k, dtype=torch.bool, device=device)
             allowed[:, self.committed:] = visible
-            mask = torch.zeros(k, past + k, dtype=dtype, device=device)
-            mask.masked_fill_(~allowed, torch.finfo(dtype).min)  # [k, past + k] additive
+            mask = additive_mask(allowed, dtype)  # [k, past + k]
             positions = torch.full((1, k), self.committed + level - 1, device=device)
             out = self.model.forward(frontier_tokens[None], self.cache, positions,
                                      attention_mask=mask.view(1, 1, k, past + k))

@@ -19,6 +19,7 @@ from eagle_lab.device import resolve_device, resolve_dtype
 from eagle_lab.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
 from eagle_lab.model_shape import ModelShape
+from eagle_lab.packed_linear import available, pack_linears
 from eagle_lab.quantized import quantize_decoder
 from eagle_lab.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
 
@@ -67,9 +68,7 @@ class Target(ModelShape):
 
     def pack_linears(self, rows: list[int]) -> int:
         """Forwards over any of `rows` tokens multiply by weights prepacked for that many rows (CPU, float32;
-        decoding/packed_linear.py); returns how many linear layers were wrapped, 0 where packing is unavailable."""
-        from eagle_lab.decoding.packed_linear import available, pack_linears
-
+        eagle_lab/packed_linear.py); returns how many linear layers were wrapped, 0 where packing is unavailable."""
         if not available(self.device, self.dtype):
             return 0
         wrapped = pack_linears(self.model, set(rows))
@@ -141,14 +140,18 @@ class Target(ModelShape):
         return self.lm_head(features).float()
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: may attend) as the additive float mask attention takes: 0 where allowed,
+    the dtype's lowest value elsewhere; same shape."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 def tree_attention_mask(tree_mask: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:
     """[K, K] bool -> [1, 1, K, past_len + K] additive mask: the prefix is visible to all."""
     k = tree_mask.shape[0]
     allowed = torch.ones(k, past_len + k, dtype=torch.bool, device=tree_mask.device)
     allowed[:, past_len:] = tree_mask
-    mask = torch.zeros(k, past_len + k, dtype=dtype, device=tree_mask.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask.view(1, 1, k, past_len + k)
+    return additive_mask(allowed, dtype).view(1, 1, k, past_len + k)
 
 
 def load_target(cfg: TargetConfig) -> Target:

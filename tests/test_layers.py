@@ -23,7 +23,8 @@ LAYERS = [
     ("decoding core", ["eagle_lab.decoding", "eagle_lab.verify", "eagle_lab.ngram", "eagle_lab.cache"]),
     ("models", ["eagle_lab.llama_cpp", "eagle_lab.target", "eagle_lab.head", "eagle_lab.eagle3", "eagle_lab.head_kinds", "eagle_lab.interop",
                 "eagle_lab.tiny", "eagle_lab.tree", "eagle_lab.sampling", "eagle_lab.card", "eagle_lab.prompts",
-                "eagle_lab.medusa", "eagle_lab.medusa_layout", "eagle_lab.draft_lm_store", "eagle_lab.quantized"]),
+                "eagle_lab.medusa", "eagle_lab.medusa_layout", "eagle_lab.draft_lm_store", "eagle_lab.quantized",
+                "eagle_lab.packed_linear"]),
     ("base", ["eagle_lab.errors", "eagle_lab.device", "eagle_lab.embedded", "eagle_lab.packages",
               "eagle_lab.model_shape", "eagle_lab.conf", "eagle_lab"]),
 ]

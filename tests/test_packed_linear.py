@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
-from eagle_lab.decoding.packed_linear import PackedLinear, available, pack_linears
+from eagle_lab.packed_linear import PackedLinear, available, pack_linears
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.head_kinds import new_head

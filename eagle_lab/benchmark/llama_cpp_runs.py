@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_lab import llama_cpp
+from eagle_lab.llama_cpp import ENV, source_dir, tool
 from eagle_lab.benchmark.runs import BenchContext, Run
 from eagle_lab.errors import EagleLabError
 from eagle_lab.sampling import SamplingParams
@@ -49,13 +49,13 @@ def find_setup(source: str, gguf_dir: str, gguf_target: str, methods: list[str])
     wanted = [m for m in methods if m in LLAMA_CPP_METHODS]
     if not wanted:
         return None, ""
-    source_path = llama_cpp.source_dir(source)
+    source_path = source_dir(source)
     if source_path is None:
-        return _skipped(wanted, f"no llama.cpp (bench.llama_cpp=DIR or ${llama_cpp.ENV})")
+        return _skipped(wanted, f"no llama.cpp (bench.llama_cpp=DIR or ${ENV})")
     tools = source_path / "build" / "bin"
     needed = {PLAIN_TOOL} if "llamacpp" in wanted else set()
     needed |= {SPECULATIVE_TOOL} if set(wanted) - {"llamacpp"} else set()
-    missing = [name for name in sorted(needed) if llama_cpp.tool(source_path, name) is None]
+    missing = [name for name in sorted(needed) if tool(source_path, name) is None]
     if missing:
         return _skipped(wanted, f"llama.cpp's {', '.join(missing)} not built under {tools} "
                                 f"(cmake --build build --target {' '.join(missing)})")
@@ -88,8 +88,8 @@ def command_for(setup: LlamaCppSetup, method: str, prompt_file: Path, budget: in
                 params: SamplingParams, seed: int, ignore_eos: bool, draft: int, ngram_lookup: int,
                 ngram_tokens: int) -> list[str]:
     """The llama.cpp command line that runs `method` on one prompt."""
-    tool = PLAIN_TOOL if method == "llamacpp" else SPECULATIVE_TOOL
-    command = [str(setup.tools / tool), "-m", str(setup.target), "-f", str(prompt_file), "-n", str(budget),
+    binary = PLAIN_TOOL if method == "llamacpp" else SPECULATIVE_TOOL
+    command = [str(setup.tools / binary), "-m", str(setup.target), "-f", str(prompt_file), "-n", str(budget),
                "-c", str(context), "-t", str(threads), "-tb", str(threads), "--seed", str(seed)]
     if params.greedy:
         command += ["--temp", "0"]

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 CPU_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
 CHOICE_FILE = "compile_choice.json"
 EAGER_MARGIN = 0.9  # compile=auto keeps a shape eager only when eager timed at least 10% faster
-STEP_SOURCES = ("decoding/compiled.py", "decoding/packed_linear.py", "quantized.py")  # what the target step's packages are built from
+# what the target step's packages are built from
+STEP_SOURCES = ("decoding/compiled.py", "packed_linear.py", "quantized.py")
 
 
 def inductor_cache_dir() -> str:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_lab.target import additive_mask
 from eagle_lab.decoding.compiled import call_known_graph, raise_recompile_limits
 from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.head import EagleHead, HeadKVCache
@@ -124,8 +125,7 @@ class HeadStepRunner:
         allowed[rows:, scratch if bucket else 0] = True  # padding rows attend to something (no empty softmax)
         dtype = self.module.head.dtype  # head.draft_dtype: target features are cast to it
         features = features.to(dtype)
-        mask = torch.zeros(padded, width, dtype=dtype, device=tokens.device)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        mask = additive_mask(allowed, dtype)  # [padded, width]
         args = (cache.key_buffer[:, :, :width], cache.value_buffer[:, :, :width],
                 _pad(tokens, padded)[None], _pad(features, padded)[None], _pad(positions, padded)[None], slots,
                 mask[None, None], k, from_draft, last_only and not bucket)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle_lab.target import additive_mask
 from eagle_lab.decoding.backend import StaticBackend
 from eagle_lab.decoding.static_cache import StaticKVCache
 from eagle_lab.errors import EagleLabError
@@ -136,8 +137,7 @@ class StaticRows:
             positions[i, :n] = row.past + tree.depths
             allowed[i, :n, :row.past] = True
             allowed[i, :n, width:width + n] = tree.mask.to(device)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        mask = additive_mask(allowed, dtype)
         hidden, layers, logits = self.backend.step(self.cache, width, length, input_ids, positions, mask[:, None],
                                                    layer_ids)
         out = []

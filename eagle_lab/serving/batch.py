@@ -38,7 +38,7 @@ import torch
 
 from eagle_lab.generate import _head_features
 from eagle_lab.serving.sequence import Scored, Sequence
-from eagle_lab.target import Target, TargetConfig, load_target
+from eagle_lab.target import Target, TargetConfig, additive_mask, load_target
 from eagle_lab.tree import DraftTree, build_tree
 
 
@@ -53,9 +53,7 @@ def padded_mask(pasts: list[int], trees: list[DraftTree], dtype: torch.dtype,
         allowed[row, :n, :past] = True
         allowed[row, :n, width: width + n] = tree.mask.to(device)
         allowed[row, pad[n:], width + pad[n:]] = True  # padded queries: themselves only
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]  # (B, 1, N, P + N)
+    return additive_mask(allowed, dtype)[:, None]  # (B, 1, N, P + N)
 
 
 def gather_caches(target: Target, caches: list, width: int):

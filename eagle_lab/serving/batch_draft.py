@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from eagle_lab.target import additive_mask
 from eagle_lab.draft import Candidates, EagleDrafter
 from eagle_lab.head import EagleHead, HeadKVCache
 from eagle_lab.serving.sequence import Sequence
@@ -160,8 +161,7 @@ class HeadBatch:
         dtype = self.head.dtype  # head.draft_dtype; features come in it, the target's embeddings are cast
         embeds = drafter.target.embed_tokens(tokens).to(dtype)  # [B, T, H]
         cos, sin = drafter.rotary(embeds, positions)  # [B, T, D] each
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=features.device)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        mask = additive_mask(allowed, dtype)
         return self.head(embeds, features, cos, sin, self.cache, mask[:, None], from_draft)  # mask [B, 1, T, S]
 
     def _commit(self, rows: list[Row]) -> torch.Tensor:
