@@ -41,6 +41,14 @@ def keep_accepted(cache, past_len: int, accepted: torch.Tensor) -> None:
         layer.values = torch.cat([layer.values[:, :, :past_len], layer.values.index_select(2, index)], dim=2)
 
 
+def move_row_entries(tensors, row: int, source: torch.Tensor, start: int) -> None:
+    """In place, in each cache tensor [R, kvH, T, D]: row `row`'s entries at positions `source` [L] move to
+    positions [start, start + L). Source and destination may overlap (index_select copies first). How a static
+    or batched cache keeps a round's accepted path right after the committed prefix."""
+    for tensor in tensors:
+        tensor[row, :, start:start + source.numel()] = tensor[row].index_select(1, source)
+
+
 def truncate(cache, length: int) -> None:
     """Drop every entry at position >= length."""
     extra = cache_length(cache) - length

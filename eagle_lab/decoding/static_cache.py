@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import StaticCache
 
+from eagle_lab.cache import move_row_entries
 from eagle_lab.errors import EagleLabError
 
 EAGER_BLOCK = 16  # positions an eager forward's attended length is rounded to (views of that length are kept)
@@ -113,11 +114,8 @@ class StaticKVCache:
         if not contiguous:
             source = accepted.to(self.device) + scored_at  # [L]
             for layer in self.layers:
-                if not layer.is_initialized:
-                    continue
-                for tensor in (layer.keys, layer.values):  # [R, kvH, capacity, D]
-                    # index_select copies, so source and target may overlap
-                    tensor[row, :, past:past + count] = tensor[row].index_select(1, source)
+                if layer.is_initialized:
+                    move_row_entries((layer.keys, layer.values), row, source, past)  # [R, kvH, capacity, D]
         self.set_length(past + count)
 
     def move_entries(self, rows: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor) -> None:

@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from eagle_lab.cache import move_row_entries
 from eagle_lab.generate import _head_features
 from eagle_lab.serving.sequence import Scored, Sequence
 from eagle_lab.target import Target, TargetConfig, additive_mask, load_target
@@ -132,8 +133,7 @@ class PaddedBatch:
         """Row `row` keeps its past and then its accepted nodes (L,), moved in place to [past, past + L)."""
         index = accepted.to(self.target.device) + width
         for layer in self.cache.layers:
-            for tensor in (layer.keys, layer.values):  # (B, kvH, width + N, D)
-                tensor[row, :, past: past + index.numel()] = tensor[row].index_select(1, index)
+            move_row_entries((layer.keys, layer.values), row, index, past)  # (B, kvH, width + N, D)
 
 
 @torch.no_grad()
@@ -159,8 +159,7 @@ def time_gather_and_forward(target: Target, batch: int, past: int, nodes: int, r
         scored = time.perf_counter()
         for row in range(batch):
             for layer in batched.layers:
-                for tensor in (layer.keys, layer.values):
-                    tensor[row, :, past: past + accepted.numel()] = tensor[row].index_select(1, accepted)
+                move_row_entries((layer.keys, layer.values), row, accepted, past)
         for name, ms in (("gather_ms", gathered - start), ("forward_ms", scored - gathered),
                          ("compact_ms", time.perf_counter() - scored)):
             times[name].append(1000 * ms)

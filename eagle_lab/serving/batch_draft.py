@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from eagle_lab.cache import move_row_entries
 from eagle_lab.target import additive_mask
 from eagle_lab.draft import Candidates, EagleDrafter
 from eagle_lab.head import EagleHead, HeadKVCache
@@ -187,8 +188,7 @@ class HeadBatch:
         out = self._forward(drafters[0], tokens, features, positions, allowed, False)  # [B, P, H]
         for i, (drafter, past, count) in enumerate(zip(drafters, pasts, counts)):
             moved = steps[:count] + width  # row i's new entries, moved to [past, past + count)
-            for tensor in (self.cache.keys, self.cache.values):  # (B, kvH, W + P, D)
-                tensor[i, :, past: past + count] = tensor[i].index_select(1, moved)
+            move_row_entries((self.cache.keys, self.cache.values), i, moved, past)  # (B, kvH, W + P, D)
             drafter.count_committed(past + count)
         self.cache.crop(max(d.committed for d in drafters))  # (B, kvH, W', D)
         last = torch.tensor([max(count - 1, 0) for count in counts], device=device)
