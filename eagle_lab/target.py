@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,14 @@ class Target(ModelShape):
         """Forwards over any of `rows` tokens multiply by weights prepacked for that many rows (CPU, float32;
         eagle_lab/packed_linear.py); returns how many linear layers were wrapped, 0 where packing is unavailable."""
         if not available(self.device, self.dtype):
+            return 0
+        new_rows = {r for r in rows if r > 1} - self.packed_rows
+        pack_bytes = len(new_rows) * sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
+                                         if isinstance(m, torch.nn.Linear))
+        memory = physical_memory()
+        if memory and pack_bytes > memory // 4:
+            log.info("decoding.packed_weights: not packing (%d packs of the linear weights would take %.1f GB, more "
+                     "than a quarter of this machine's memory)", len(new_rows), pack_bytes / 1e9)
             return 0
         wrapped = pack_linears(self.model, set(rows))
         self.lm_head = self.model.get_output_embeddings()
@@ -138,6 +147,14 @@ class Target(ModelShape):
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] in float32 (sampling and acceptance need full precision)."""
         return self.lm_head(features).float()
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

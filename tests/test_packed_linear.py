@@ -66,6 +66,13 @@ def test_packing_a_target_keeps_its_parameters_and_ties():
     assert not any(type(m) is nn.Linear for m in target.model.modules())
 
 
+def test_packs_that_would_take_over_a_quarter_of_memory_are_not_made(monkeypatch):
+    target = load_target(TargetConfig(name="tiny_llama", source="tiny", device="cpu"))
+    monkeypatch.setattr("eagle_lab.target.physical_memory", lambda: 1 << 16)  # 64 KiB
+    assert target.pack_linears([1, 4, 8]) == 0 and target.packed_rows == frozenset()
+    assert not any(isinstance(m, PackedLinear) for m in target.model.modules())
+
+
 def decode_all(target, backend, prompt, tokens=40):
     drafter = EagleDrafter(new_head(target, seed=1), target, TreeShape(3, 3, 8))
     runs = []
