@@ -43,6 +43,7 @@ def test_the_reply_is_cut_from_what_the_tools_print():
     prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert reply_text("\n\n" + prompt + "Hello there.\nBye" + "\n\n\n", prompt) == "Hello there.\nBye"
     assert reply_text("\nHello there.\n", prompt) == "Hello there."
+    assert reply_text("\nHello there. [end of text]\n", prompt) == "Hello there."  # llama-completion at eos
 
 
 def bench_config(tmp_path, gguf_dir="", methods=METHODS, temperatures=(0.0, 1.0)) -> ServeConfig:

@@ -139,13 +139,17 @@ def parse_timing(method: str, log_text: str) -> Timing:
                   accepted=int(accepted.group(1)))
 
 
+END_OF_TEXT = " [end of text]"  # what llama-completion prints after the reply when it stops at end of text
+
+
 def reply_text(stdout: str, prompt_text: str) -> str:
-    """The generated text from a llama.cpp tool's standard output: blank lines around it dropped, and the prompt
-    that `llama-speculative-simple` echoes."""
+    """The generated text from a llama.cpp tool's standard output: blank lines around it dropped, the prompt
+    that `llama-speculative-simple` echoes and the end-of-text marker that `llama-completion` prints."""
     text = stdout.strip("\n")
     if text.startswith(prompt_text.strip("\n")):
         text = text[len(prompt_text.strip("\n")):]
-    return text.strip("\n")
+    text = text.strip("\n")
+    return text[: -len(END_OF_TEXT)] if text.endswith(END_OF_TEXT) else text
 
 
 def run_llama_cpp(ctx: BenchContext, setup: LlamaCppSetup, method: str, prompt_ids: list[int],
