@@ -78,3 +78,26 @@ def test_the_head_gguf_is_what_llama_cpps_eagle3_loader_reads(tiny_dirs, tmp_pat
     d2t = torch.as_tensor(tensors["d2t"].data.copy()).long()
     assert torch.equal(d2t, draft_ids)  # llama.cpp stores each draft token's absolute target id
     assert (out / "target-f32.gguf").stat().st_size > 0
+
+
+def _speculative_tool():
+    source = os.environ.get(llama_cpp.ENV)
+    return llama_cpp.tool(llama_cpp.source_dir(source), "llama-speculative-simple") if source else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_speculative_tool() is None, reason="llama.cpp's llama-speculative-simple is not built")
+def test_llama_cpp_loads_the_pair_and_drafts_with_the_head(tiny_dirs, tmp_path):
+    import re
+    import subprocess
+
+    root, _, _ = tiny_dirs
+    out = export({"head_path": str(root / "eagle3"), "format": "gguf", "out": str(tmp_path),
+                  "target": str(root / "target.yaml"), "dtype": "float32"})
+    (tmp_path / "prompt.txt").write_text("The quick brown fox")
+    done = subprocess.run([str(_speculative_tool()), "-m", str(out / "target-f32.gguf"), "-md", str(out / "head.gguf"),
+                           "--spec-type", "draft-eagle3", "--spec-draft-n-max", "3", "-f", str(tmp_path / "prompt.txt"),
+                           "-n", "16", "-t", "1", "--temp", "0", "--ignore-eos"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    drafted = re.search(r"n_drafted\s*=\s*(\d+)", done.stderr + done.stdout)
+    assert drafted and int(drafted.group(1)) > 0  # the head was loaded and drafted
