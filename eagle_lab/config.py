@@ -78,6 +78,7 @@ class BenchConfig:
     gguf_dir: str = ""
     gguf_target: str = ""
     llama_cpp_draft: int = 3
+    llama_cpp_args: list[str] = field(default_factory=list)  # appended to every llama.cpp command, e.g. [--no-repack]
 
 
 @dataclass

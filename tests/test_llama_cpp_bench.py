@@ -46,20 +46,21 @@ def test_the_reply_is_cut_from_what_the_tools_print():
     assert reply_text("\nHello there. [end of text]\n", prompt) == "Hello there."  # llama-completion at eos
 
 
-def bench_config(tmp_path, gguf_dir="", methods=METHODS, temperatures=(0.0, 1.0)) -> ServeConfig:
+def bench_config(tmp_path, gguf_dir="", methods=METHODS, temperatures=(0.0, 1.0), extra=()) -> ServeConfig:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Tell me about the sea.", "Count to four"]))
     return ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
                        head=HeadConfig(path="random"), tree=TreeConfig(auto=False, depth=2, topk=2, total_tokens=3),
                        bench=BenchConfig(dataset=str(prompts), limit=0, methods=list(methods),
-                                         temperatures=list(temperatures), warmup=0, gguf_dir=gguf_dir),
+                                         temperatures=list(temperatures), warmup=0, gguf_dir=gguf_dir,
+                                         llama_cpp_args=list(extra)),
                        mode="bench", max_new_tokens=12, ignore_eos=True)
 
 
 def test_llama_cpp_methods_run_beside_eagle_lab_on_the_same_prompts_budget_and_threads(tmp_path, monkeypatch):
     source, calls = fake_llama_cpp(tmp_path / "llama.cpp")
     monkeypatch.setenv(ENV, str(source))
-    cfg = bench_config(tmp_path, str(fake_gguf_dir(tmp_path / "gguf")))
+    cfg = bench_config(tmp_path, str(fake_gguf_dir(tmp_path / "gguf")), extra=["--no-repack"])
     results = run_bench(cfg, out_dir=tmp_path / "run")
     greedy, sampled = results["summary"]["0.0"], results["summary"]["1.0"]
     for rows in (greedy, sampled):
@@ -78,7 +79,7 @@ def test_llama_cpp_methods_run_beside_eagle_lab_on_the_same_prompts_budget_and_t
         tool, args = command[0], command[1:]
         assert args[args.index("-t") + 1] == threads and args[args.index("-m") + 1].endswith("target-f32.gguf")
         assert args[args.index("-n") + 1] == ("13" if tool == "llama-completion" else "12")
-        assert "--ignore-eos" in args
+        assert "--ignore-eos" in args and args[-1] == "--no-repack"  # bench.llama_cpp_args, last
     eagle3 = [c for c in commands if "draft-eagle3" in c]
     assert len(eagle3) == 4 and all(c[c.index("--spec-draft-n-max") + 1] == "3" and "-md" in c for c in eagle3)
     assert sum("ngram-simple" in c for c in commands) == 4

@@ -86,8 +86,8 @@ def _default_target(directory: Path) -> Path | None:
 
 def command_for(setup: LlamaCppSetup, method: str, prompt_file: Path, budget: int, context: int, threads: int,
                 params: SamplingParams, seed: int, ignore_eos: bool, draft: int, ngram_lookup: int,
-                ngram_tokens: int) -> list[str]:
-    """The llama.cpp command line that runs `method` on one prompt."""
+                ngram_tokens: int, extra: list[str] = ()) -> list[str]:
+    """The llama.cpp command line that runs `method` on one prompt; `extra` (bench.llama_cpp_args) goes last."""
     binary = PLAIN_TOOL if method == "llamacpp" else SPECULATIVE_TOOL
     command = [str(setup.tools / binary), "-m", str(setup.target), "-f", str(prompt_file), "-n", str(budget),
                "-c", str(context), "-t", str(threads), "-tb", str(threads), "--seed", str(seed)]
@@ -105,7 +105,7 @@ def command_for(setup: LlamaCppSetup, method: str, prompt_file: Path, budget: in
     else:
         command += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(ngram_lookup),
                     "--spec-ngram-simple-size-m", str(ngram_tokens)]
-    return command
+    return command + [str(arg) for arg in extra]
 
 
 _NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
@@ -165,7 +165,7 @@ def run_llama_cpp(ctx: BenchContext, setup: LlamaCppSetup, method: str, prompt_i
         command = command_for(setup, method, prompt_file, budget,
                               len(prompt_ids) + cfg.max_new_tokens + CONTEXT_MARGIN, torch.get_num_threads(),
                               params, cfg.seed, not ctx.eos, cfg.bench.llama_cpp_draft, cfg.ngram.min_match,
-                              cfg.ngram.max_tokens)
+                              cfg.ngram.max_tokens, list(cfg.bench.llama_cpp_args))
         done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])
