@@ -183,6 +183,17 @@ def sampled_sequences(target, drafter, prompt, params, length: int, samples: int
     return counts, accepted_any
 
 
+def assert_noisy_drafts_keep_distribution(target, params: SamplingParams, backend=None) -> None:
+    """3,000 sampled 3-token continuations drafted by a noisy drafter (useful but imperfect, or the test would
+    mean nothing) follow the target's exact sequence probabilities (chi-square)."""
+    prompt = torch.tensor([1, 4, 2, 0])
+    length, samples = 3, 3000
+    drafter = NoisyDrafter(target, depth=2, topk=2, noise=1.0, seed=5)
+    counts, accepted_any = sampled_sequences(target, drafter, prompt, params, length, samples, seed=11, backend=backend)
+    assert 0.2 * samples < accepted_any < samples
+    assert chi_square_pvalue(counts, exact_sequence_probs(target, prompt, params, length), samples) > ALPHA
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=3),
@@ -190,15 +201,7 @@ def sampled_sequences(target, drafter, prompt, params, length: int, samples: int
 ], ids=["t1", "t0.7-topk3", "topp0.8"])
 @pytest.mark.slow
 def test_speculative_sampling_matches_target(params):
-    target = small_vocab_target()
-    prompt = torch.tensor([1, 4, 2, 0])
-    length, samples = 3, 3000
-    drafter = NoisyDrafter(target, depth=2, topk=2, noise=1.0, seed=5)
-    counts, accepted_any = sampled_sequences(target, drafter, prompt, params, length, samples, seed=11)
-    # the draft must be useful but imperfect for the test to mean something
-    assert 0.2 * samples < accepted_any < samples
-    expected = exact_sequence_probs(target, prompt, params, length)
-    assert chi_square_pvalue(counts, expected, samples) > ALPHA
+    assert_noisy_drafts_keep_distribution(small_vocab_target(), params)
 
 
 @pytest.mark.slow
