@@ -4,8 +4,9 @@
 Graphs are AOTInductor packages under `<cache>/compiled/` (eagle_lab/decoding/graph_store.py); a later
 process loads them in milliseconds, so `compile=auto` decodes compiled from the first token of any run.
 Steps: plain decoding at every attended length, tree=auto's full calibration on the compiled backend
-(its trees' sizes), and one speculative generation (the head's steps). Graphs already built are loaded,
-not rebuilt: running it again is quick.
+(its trees' sizes), one speculative generation (the head's steps), and what `mode=server` decodes with
+(every row count of its static cache, its tree per batch size). Graphs already built are loaded, not
+rebuilt: running it again is quick.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, generate
 from eagle_lab.prompts import as_tensor, encode_prompt
 from eagle_lab.sampling import SamplingParams
+from eagle_lab.serving.server import SERVER_TEMPERATURES, check_server_config, prepare_decoding
 from eagle_lab.target import load_target
 
 log = logging.getLogger(__name__)
@@ -41,14 +43,18 @@ def build_graphs(cfg: ServeConfig) -> None:
     if not isinstance(backend, StaticBackend):
         raise EagleLabError("this target cannot be compiled here")
     prompt = as_tensor(encode_prompt(target.tokenizer, cfg.prompt or DEMO_PROMPT, cfg.chat, cfg.system), target.device)
-    log.info("compile [1/3]: plain decoding's step at every attended length")
+    log.info("compile [1/4]: plain decoding's step at every attended length")
     _decode(cfg, target, None, backend, prompt, "vanilla")
-    log.info("compile [2/3]: tree=auto's calibration on the compiled target (its trees' sizes)")
+    log.info("compile [2/4]: tree=auto's calibration on the compiled target (its trees' sizes)")
     drafter = make_drafter(cfg, target, backend, planned_tokens=None,
-                           temperatures=sorted({0.0, 1.0, float(cfg.temperature)}))
+                           temperatures=sorted({*SERVER_TEMPERATURES, float(cfg.temperature)}))
     if drafter is not None:
-        log.info("compile [3/3]: one speculative generation (the drafter's steps)")
+        log.info("compile [3/4]: one speculative generation (the drafter's steps)")
         _decode(cfg, target, drafter, backend, prompt, cfg.method)
+    log.info("compile [4/4]: the server's steps (mode=server: %d rows of %d tokens)", cfg.server.max_batch,
+             cfg.server.context)
+    check_server_config(cfg.server)
+    prepare_decoding(cfg, target)
     after, size = store.summary()
     log.info("compile: done in %.0f s; %d graphs built now, %d in %s (%.0f MB)", time.perf_counter() - start,
              after - before, after, store.root, size / 1e6)

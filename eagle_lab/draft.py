@@ -186,6 +186,10 @@ class EagleDrafter:
         self.choices = tuple(choices)
         self.use_tree(self.choices[0].shape, self.choices[0].ngram)
 
+    def stop_building(self) -> None:
+        """Head steps whose graphs are missing run eagerly from now on (forks share the runner)."""
+        self.runner.build = False
+
     def use_tree(self, shape: TreeShape, ngram: NgramProposer | None = None) -> None:
         """Draft `shape` from now on, with `ngram`'s chains merged in (None: no chains)."""
         self.shape, self.ngram = shape, ngram

@@ -22,7 +22,7 @@ from eagle_lab.sampling import SamplingParams
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
-from eagle_lab.tree_search.auto import _fingerprint
+from eagle_lab.tree_search.auto import calibration_fingerprint
 from eagle_lab.tree_search.space import TreeSearchConfig
 from tests.scheduler_helpers import plan, run_plans
 from tests.serving_helpers import TINY, serve_config
@@ -53,8 +53,8 @@ def test_build_head_casts_to_the_drafting_dtype(tiny_llama):
 def test_tree_auto_calibrations_of_a_bf16_and_an_fp32_head_are_kept_apart(tiny_llama):
     search = TreeSearchConfig()
     head = new_head(tiny_llama, seed=1)
-    fp32 = _fingerprint(tiny_llama, EagleDrafter(head, tiny_llama, TreeShape(2, 2, 3)), search)
-    bf16 = _fingerprint(tiny_llama, EagleDrafter(head.to(torch.bfloat16), tiny_llama, TreeShape(2, 2, 3)), search)
+    fp32 = calibration_fingerprint(tiny_llama, EagleDrafter(head, tiny_llama, TreeShape(2, 2, 3)), search)
+    bf16 = calibration_fingerprint(tiny_llama, EagleDrafter(head.to(torch.bfloat16), tiny_llama, TreeShape(2, 2, 3)), search)
     assert fp32 != bf16
 
 

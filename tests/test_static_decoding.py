@@ -11,7 +11,7 @@ import torch
 
 from eagle_lab.decoding import compiled
 from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
-from eagle_lab.decoding.head_step import ROW_BUCKETS
+from eagle_lab.decoding.head_step import GRAPH_TOP_K, ROW_BUCKETS
 from eagle_lab.draft import EagleDrafter, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
@@ -170,6 +170,25 @@ def test_compiled_head_step_drafts_what_the_eager_head_drafts(tiny_llama):
     assert len(logs[True].trees) == len(logs[False].trees) > 3
     for eager, compiled in zip(logs[False].trees, logs[True].trees):
         assert torch.equal(eager.tokens, compiled.tokens) and torch.equal(eager.parents, compiled.parents)
+
+
+def test_one_compiled_head_graph_serves_every_top_k_up_to_its_own(tiny_llama, monkeypatch, tmp_path):
+    """tree=auto asks for top-k 1..8: a compiled step returns GRAPH_TOP_K drafts and slices them, so the
+    same rows and cache need one graph, and each k gets what the eager step gives."""
+    monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path))
+    head = new_head(tiny_llama, seed=4)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, tiny_llama.vocab_size, (3,), generator=generator)
+    features = torch.randn(3, tiny_llama.config.hidden_size, generator=generator)
+    visible = torch.ones(3, 3, dtype=torch.bool).tril()
+    compiled = EagleDrafter(head, tiny_llama, TreeShape(2, 3, 4), compiled=True)
+    eager = EagleDrafter(head, tiny_llama, TreeShape(2, 3, 4), compiled=False)
+    for k in (1, 3, GRAPH_TOP_K):
+        got = compiled.runner(compiled.new_cache(), tokens, features, torch.arange(3), visible, k, from_draft=False)
+        want = eager.runner(eager.new_cache(), tokens, features, torch.arange(3), visible, k, from_draft=False)
+        assert got[2].shape == (3, k) and torch.equal(got[2], want[2])
+        assert torch.allclose(got[1], want[1], atol=1e-4)
+    assert len(compiled.runner._graphs) == 1
 
 
 @pytest.mark.slow

@@ -120,6 +120,11 @@ class StaticBackend:
         self.packages = self._steps.packages  # compiled graphs kept on disk (CPU)
         self._every_length_compiled: set[tuple] = set()  # (cache capacity and strides, rows, tokens, layer_ids)
 
+    def stop_building(self) -> None:
+        """From now on a step whose graph is missing runs eagerly instead of compiling (a server that is
+        listening: no request waits for a compile)."""
+        self.build = self._steps.build = False
+
     def open(self, prompt_tokens: int, max_new_tokens: int, layer_ids: tuple[int, ...] = ()) -> Scorer:
         capacity = self._round_capacity(prompt_tokens + max_new_tokens + self.slack)
         return StaticScorer(self, max(capacity, self.min_capacity), layer_ids)

@@ -27,6 +27,8 @@ from eagle_lab.head import EagleHead, HeadKVCache
 
 log = logging.getLogger(__name__)
 ROW_BUCKETS = (4, 16)  # rows per compiled head step; more rows (a prompt's first commit) run 16 at a time
+GRAPH_TOP_K = 8  # a compiled step returns at least this many top-k drafts, sliced to what was asked: one graph
+# serves every top-k up to it (tree=auto times top-k 1..8), where a graph per k would multiply the builds
 STEP_SOURCES = ("decoding/head_step.py", "head.py", "eagle3.py")  # what the head step's packages are built from
 
 
@@ -129,10 +131,12 @@ class HeadStepRunner:
         args = (cache.key_buffer[:, :, :width], cache.value_buffer[:, :, :width],
                 _pad(tokens, padded)[None], _pad(features, padded)[None], _pad(positions, padded)[None], slots,
                 mask[None, None], k, from_draft, last_only and not bucket)
-        key = (padded, width, k, from_draft, args[0].stride()) if bucket else None  # the cache's strides too
+        if bucket:
+            args = (*args[:7], max(k, GRAPH_TOP_K), *args[8:])
+        key = (padded, width, args[7], from_draft, args[0].stride()) if bucket else None  # the cache's strides too
         hidden, top_logp, top_ids = self._run(args, key)
         cache.length = start + rows
-        return hidden[0, :rows], top_logp[:rows], top_ids[:rows]
+        return hidden[0, :rows], top_logp[:rows, :k], top_ids[:rows, :k]
 
     def _in_chunks(self, cache, tokens, features, positions, visible, k, from_draft, last_only):
         """More rows than the largest bucket (a prompt's first commit): through the largest compiled step,

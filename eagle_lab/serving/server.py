@@ -21,12 +21,13 @@ from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
 from eagle_lab.target import load_target
-from eagle_lab.serving.static_trees import trees_on_rows
+from eagle_lab.serving.static_trees import build_row_graphs, trees_on_rows
 from eagle_lab.serving.tree_per_batch import trees_per_batch
 from eagle_lab.tree_search.auto import calibration_prompts
 from eagle_lab.tree_search.space import TreeSearchConfig
 
 log = logging.getLogger(__name__)
+SERVER_TEMPERATURES = (0.0, *TreeSearchConfig().sampled_temperatures)  # what requests may ask: a tree for each
 
 
 def check_server_config(cfg: ServerConfig) -> None:
@@ -63,14 +64,30 @@ def build_app(cfg: ServeConfig):
     from eagle_lab.serving.app import create_app  # fastapi is an optional extra: imported only to serve
 
     target = load_target(cfg.target)
-    backend = build_backend(target, cfg.compile, cfg.decoding)
+    backend, rows, prototype, trees = prepare_decoding(cfg, target)
+    engine = Engine(cfg, target, drafter_factory(prototype), rows)
+    scheduler = BatchScheduler(cfg.server.max_batch, cfg.server.max_queue, target, trees, rows=rows)
+    return create_app(engine, scheduler, cfg.server.api_key), engine, scheduler
+
+
+def prepare_decoding(cfg: ServeConfig, target):
+    """Everything the server decodes with, ready before it listens: the backend, the static rows (compiled),
+    the prototype drafter and the tree per batch size. Compiled, every graph a request may need is built (or
+    loaded) here, then building stops: a missing one later runs eagerly, and no request waits for a compile.
+    `python -m eagle_lab.compile` calls it too, so that a server's start only loads."""
+    backend = build_backend(target, cfg.compile, cfg.decoding, compile_ahead=True)
     rows = serving_rows(backend, cfg.server.max_batch, cfg.server.context)
     # requests choose their temperature: a tree for greedy decoding and for each temperature tree=auto prices
-    prototype = make_drafter(cfg, target, backend, temperatures=(0.0, *TreeSearchConfig().sampled_temperatures))
-    engine = Engine(cfg, target, drafter_factory(prototype), rows)
-    scheduler = BatchScheduler(cfg.server.max_batch, cfg.server.max_queue, target,
-                               batch_trees(cfg, target, prototype, rows), rows=rows)
-    return create_app(engine, scheduler, cfg.server.api_key), engine, scheduler
+    prototype = make_drafter(cfg, target, backend, temperatures=SERVER_TEMPERATURES)
+    eagle = prototype if isinstance(prototype, EagleDrafter) else None
+    if rows is not None and (eagle is not None or prototype is None):
+        build_row_graphs(target, eagle, rows, calibration_prompts(target)[0])
+    trees = batch_trees(cfg, target, prototype, rows)
+    if isinstance(backend, StaticBackend):
+        backend.stop_building()
+        if eagle is not None:
+            eagle.stop_building()
+    return backend, rows, prototype, trees
 
 
 def serving_rows(backend, max_batch: int, context: int) -> StaticRows | None:

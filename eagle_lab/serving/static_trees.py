@@ -7,17 +7,26 @@ each decode B calibration prompts together in the scheduler's own round on the s
 (eagle_lab.serving.timed_batch); the faster wins, a tree only when it beats plain decoding by
 `min_gain`. A batch size between two timed ones takes the choice of the next one up. The first
 timing at each B compiles its graphs (minutes the first time; kept on disk), so the server says so.
+The choices are cached beside tree=auto's calibration, keyed by what the timings depend on (tree=auto's
+fingerprint, the tree, the batch sizes, the batched round's code), so a restart reuses them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+from pathlib import Path
 
+from eagle_lab.decoding.graph_store import source_digest
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.draft import BatchTree, EagleDrafter, TreeShape
+from eagle_lab.embedded import cache_root
 from eagle_lab.serving.timed_batch import timed_batch_decoding
-from eagle_lab.serving.tree_per_batch import PROBE_BATCHES
+from eagle_lab.serving.tree_per_batch import PROBE_BATCHES, ROUND_SOURCES
 from eagle_lab.target import Target
+from eagle_lab.tree_search.auto import calibration_fingerprint
+from eagle_lab.tree_search.space import TreeSearchConfig
 
 log = logging.getLogger(__name__)
 PLAIN = BatchTree(TreeShape(0, 0, 0), 0)
@@ -30,7 +39,14 @@ def trees_on_rows(target: Target, drafter: EagleDrafter, rows: StaticRows, max_b
         return {}
     own = BatchTree(drafter.shape, drafter.ngram.max_tokens if drafter.ngram is not None else None)
     sizes = sorted({b for b in PROBE_BATCHES if b < max_batch} | {max_batch})
-    chosen = {}
+    path = _choice_path(target, drafter, rows, own, sizes, new_tokens, min_gain)
+    if path.is_file():
+        cached = {int(b): name for b, name in json.loads(path.read_text()).items()}
+        log.info("tree per batch size (compiled, cached in %s): %s", path,
+                 ", ".join(f"batch {b}: {name}" for b, name in sorted(cached.items())))
+        chosen = {b: own if name == "tree" else PLAIN for b, name in cached.items()}
+        return {batch: chosen[next(b for b in sizes if b >= batch)] for batch in range(2, max_batch + 1)}
+    chosen, names = {}, {}
     for batch in sizes:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
         speed, tau = {}, {}
@@ -42,5 +58,33 @@ def trees_on_rows(target: Target, drafter: EagleDrafter, rows: StaticRows, max_b
         best = "tree" if speed["tree"] >= min_gain * speed["plain"] else "plain"
         log.info("tree per batch size (compiled): batch %d: tree %.1f tok/s (tau %.2f), plain %.1f tok/s; chose %s",
                  batch, speed["tree"], tau["tree"], speed["plain"], best)
-        chosen[batch] = own if best == "tree" else PLAIN
+        chosen[batch], names[batch] = (own if best == "tree" else PLAIN), best
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(names, indent=1))
     return {batch: chosen[next(b for b in sizes if b >= batch)] for batch in range(2, max_batch + 1)}
+
+
+def build_row_graphs(target: Target, drafter: EagleDrafter | None, rows: StaticRows, prompt: list[int]) -> None:
+    # drafter None: a plain-decoding server
+    """Before a server listens: run every row count's plain step and its tree's step once on `rows`, so that
+    each compiles (or loads) for every attended length now (the backend's compile_ahead) and no request
+    waits for a compile. Graphs already on disk load in milliseconds."""
+    trees = [PLAIN] if drafter is None else [PLAIN, BatchTree(drafter.shape, drafter.ngram.max_tokens
+                                                              if drafter.ngram is not None else None)]
+    counts = rows.buckets
+    prompt = prompt[:max(1, rows.context // 2)]  # room for the steps' tokens
+    for index, count in enumerate(counts, 1):
+        log.info("server graphs [%d/%d]: %d row(s), plain%s step at every attended length", index, len(counts),
+                 count, "" if drafter is None else " and tree")
+        for tree in trees:
+            timed_batch_decoding(target, drafter, [prompt] * count, tree, 2, rows)
+
+
+def _choice_path(target: Target, drafter: EagleDrafter, rows: StaticRows, own: BatchTree, sizes: list[int],
+                 new_tokens: int, min_gain: float) -> Path:
+    fields = {"calibration": calibration_fingerprint(target, drafter, TreeSearchConfig(), drafter.ngram, rows.backend),
+              "tree": [own.shape.depth, own.shape.topk, own.shape.total_tokens, own.ngram_tokens], "sizes": sizes,
+              "rows": [len(rows.rows), rows.capacity], "new_tokens": new_tokens, "min_gain": min_gain,
+              "round": source_digest(ROUND_SOURCES)}
+    blob = json.dumps(fields, sort_keys=True, default=str)
+    return cache_root() / "tree_auto" / f"{target.name}-rows-{hashlib.sha1(blob.encode()).hexdigest()[:16]}.json"

@@ -26,14 +26,15 @@ from eagle_lab.verify import verify_rows
 
 
 @torch.no_grad()
-def timed_batch_decoding(target: Target, prototype: EagleDrafter, prompts: list[list[int]], tree: BatchTree,
+def timed_batch_decoding(target: Target, prototype: EagleDrafter | None, prompts: list[list[int]], tree: BatchTree,
                          new_tokens: int, rows: StaticRows | None = None) -> dict:
     """Greedy decoding of len(prompts) sequences in one batch, every round with `tree`, until the
     first sequence has `new_tokens` (so the batch size never changes; eos is ignored). Prefills
     are not timed. -> {"tokens", "rounds", "seconds"} summed over the batch's rounds, and "outputs": each
     sequence's tokens (greedy, so a tree changes how fast they come, never which).
-    rows: the static path's shared cache (compiled decoding), as the scheduler would use it."""
-    sequences = [Sequence(target, fork_eagle(prototype), torch.tensor(ids, device=target.device), SamplingParams(),
+    rows: the static path's shared cache (compiled decoding), as the scheduler would use it.
+    prototype None: plain decoding (`tree` is then PLAIN)."""
+    sequences = [Sequence(target, fork_eagle(prototype) if prototype is not None else None, torch.tensor(ids, device=target.device), SamplingParams(),
                           Stopper(target.tokenizer, new_tokens, set()), None, rows=rows) for ids in prompts]
     for sequence in sequences:
         sequence.prefill()

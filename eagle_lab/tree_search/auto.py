@@ -117,8 +117,9 @@ def choose(shapes: list[dict], costs: CostModel, fixed: TreeShape,
     return TreeShape(**ranked[0]["shape"]), ranked
 
 
-def _fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig,
-                 ngram: NgramProposer | None = None, backend=None) -> str:
+def calibration_fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig,
+                            ngram: NgramProposer | None = None, backend=None) -> str:
+    """A digest of what tree=auto's timings depend on: target, head, device, dtype, threads, backend."""
     head = drafter.head
     weights = float(sum(p.detach().float().abs().sum() for p in head.parameters()))
     fields = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
@@ -189,7 +190,7 @@ def calibration(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts
             values.append(getattr(fixed, name))
     cache_dir = cache_dir or cache_root() / "tree_auto"
     ngram = drafter.ngram
-    path = cache_dir / f"{target.name}-{_fingerprint(target, drafter, search, ngram, backend)}.json"
+    path = cache_dir / f"{target.name}-{calibration_fingerprint(target, drafter, search, ngram, backend)}.json"
     summary = json.loads(path.read_text()) if path.is_file() else None
     if summary is not None and summary.get("quick") and not quick:
         log.info("tree=auto: the cached calibration is a quick one; this run calibrates in full")
