@@ -9,23 +9,25 @@ from pathlib import Path
 
 import torch
 
-from eagle_lab.card import read_card
+from eagle_lab.drafters.card import read_card
 from eagle_lab.config import HeadConfig, MedusaConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
-from eagle_lab.device import drafting_dtype
-from eagle_lab.draft import Drafter, EagleDrafter, TreeShape, untuned_shape
-from eagle_lab.draft_lm_store import is_layers_only, load_draft_vocab, load_layers_only
-from eagle_lab.draft_model import DraftModelDrafter, check_same_tokenizer
-from eagle_lab.medusa_layout import load_any_medusa
-from eagle_lab.medusa_draft import MedusaDrafter
+from eagle_lab.models.device import drafting_dtype
+from eagle_lab.decoding.tree import Drafter
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape, untuned_shape
+from eagle_lab.drafters.draft_model.store import is_layers_only, load_draft_vocab, load_layers_only
+from eagle_lab.drafters.draft_model.drafter import DraftModelDrafter, check_same_tokenizer
+from eagle_lab.drafters.medusa.layout import load_any_medusa
+from eagle_lab.drafters.medusa.drafter import MedusaDrafter
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper, speculative_decode, vanilla_decode
-from eagle_lab.head import EagleHead
-from eagle_lab.head_kinds import new_head
-from eagle_lab.interop import load_head
-from eagle_lab.ngram import NgramDrafter, NgramProposer
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import Target, TargetConfig, load_target
+from eagle_lab.decoding.generate import Stopper, speculative_decode, vanilla_decode
+from eagle_lab.drafters.eagle.head import EagleHead
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.eagle.layouts import load_head
+from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.tree_search.auto import auto_tree
 
 log = logging.getLogger(__name__)

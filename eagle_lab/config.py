@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from eagle_lab.decoding.backend import DecodingConfig
-from eagle_lab.target import TargetConfig
+from eagle_lab.models.target import TargetConfig
 from eagle_lab.training.losses import LossConfig
 from eagle_lab.tree_search.space import TreeConfig
 from eagle_lab.training.data import DataConfig
@@ -41,7 +41,7 @@ class HeadConfig:
 
 @dataclass
 class NgramConfig:
-    """Hybrid drafting (eagle_lab/ngram.py): copy a continuation of the context as an extra
+    """Hybrid drafting (eagle_lab/drafters/ngram.py): copy a continuation of the context as an extra
     tree branch. Also the settings of method=ngram and of the bench methods eagle+ngram / ngram."""
 
     enabled: bool = True  # merge n-gram branches into the EAGLE tree (method=eagle)

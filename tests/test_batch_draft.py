@@ -13,12 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_lab.draft import EagleDrafter, TreeShape
-from eagle_lab.generate import Stopper
-from eagle_lab.head_kinds import new_head
-from eagle_lab.ngram import NgramDrafter, NgramProposer
-from eagle_lab.prompts import as_tensor, encode_prompt
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.decoding.generate import Stopper
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
+from eagle_lab.models.prompts import as_tensor, encode_prompt
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batch_draft import BatchDrafter, HeadBatch
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory, fork_eagle

@@ -12,8 +12,8 @@ from eagle_lab.decoding.backend import StaticBackend
 from eagle_lab.decoding.batch_generate import generate_on_rows, grouped_query_sdpa
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper, generate, vanilla_decode
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.decoding.generate import Stopper, generate, vanilla_decode
+from eagle_lab.decoding.sampling import SamplingParams
 
 
 def rows_for(target, rows=2, context=64, row_counts=None) -> StaticRows:

@@ -15,10 +15,10 @@ from eagle_lab.benchmark.methods import GREEDY_ONLY, METHODS
 from eagle_lab.benchmark.run import run_bench
 from eagle_lab.config import BenchConfig, HeadConfig, MedusaConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import GenerationStats
-from eagle_lab.medusa import save_medusa
-from eagle_lab.target import TargetConfig, load_target
-from eagle_lab.tiny import TinyModelConfig
+from eagle_lab.decoding.generate import GenerationStats
+from eagle_lab.drafters.medusa.heads import save_medusa
+from eagle_lab.models.target import TargetConfig, load_target
+from eagle_lab.models.tiny import TinyModelConfig
 from tests.llama_cpp_fakes import fake_gguf_dir, fake_llama_cpp
 from tests.test_medusa import random_heads
 
@@ -170,7 +170,7 @@ def test_update_card_records_eagle_tau_per_tree_and_temperature(tmp_path):
     from types import SimpleNamespace
 
     from eagle_lab.benchmark.metadata import update_card
-    from eagle_lab.card import HeadCard, read_card, write_card
+    from eagle_lab.drafters.card import HeadCard, read_card, write_card
 
     write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
     cfg = ServeConfig(compile="false", head=HeadConfig(path=str(tmp_path)), tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4,
@@ -222,7 +222,7 @@ def test_update_card_keys_each_tree_preset(tmp_path):
     from types import SimpleNamespace
 
     from eagle_lab.benchmark.metadata import update_card
-    from eagle_lab.card import HeadCard, read_card, write_card
+    from eagle_lab.drafters.card import HeadCard, read_card, write_card
 
     write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
     cfg = ServeConfig(compile="false", head=HeadConfig(path=str(tmp_path)), tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4,

@@ -9,7 +9,7 @@ import pytest
 from eagle_lab.benchmark.run import run_bench
 from eagle_lab.config import BenchConfig, HeadConfig, ServeConfig, TreeConfig
 from eagle_lab.errors import EagleLabError
-from eagle_lab.target import TargetConfig
+from eagle_lab.models.target import TargetConfig
 
 PROMPTS = ["Tell me about the sea.", "def add(a, b):", "Count: one two three four", "Hi", "A longer prompt, with words."]
 

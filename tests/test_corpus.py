@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eagle_lab.errors import EagleLabError
-from eagle_lab.target import TargetConfig, load_target
+from eagle_lab.models.target import TargetConfig, load_target
 from eagle_lab.training.corpus import CorpusStore, capture_split, status
 from eagle_lab.training.corpus_layout import Split, claim, release
 from eagle_lab.training.data import tokenize_conversation
@@ -153,7 +153,7 @@ def test_training_sizes_share_one_capture_and_never_see_the_heldout_tail(tmp_pat
 
 
 def test_head_card_round_trip_and_mtbench_tau(tmp_path):
-    from eagle_lab.card import HeadCard, read_card, record_mtbench_tau, write_card
+    from eagle_lab.drafters.card import HeadCard, read_card, record_mtbench_tau, write_card
 
     assert read_card(tmp_path) is None and not record_mtbench_tau(tmp_path, "cpu", 0.0, 1.5, 80)
     write_card(tmp_path, HeadCard(target="t", kind="eagle2", train_tokens=2_500_000, heldout_top1=[0.4, 0.3]))
@@ -168,7 +168,7 @@ def test_head_card_round_trip_and_mtbench_tau(tmp_path):
 
 
 def test_card_command_leaves_out_run_control_overrides():
-    from eagle_lab.card import reproducing_command
+    from eagle_lab.drafters.card import reproducing_command
 
     overrides = ["experiment=sharegpt_scale", "name=scale-all", "trainer.resume=true",
                  "trainer.time_limit_min=150", "+trainer.stop_at=2026-12-02T01:00", "optim.lr=3e-4",
@@ -179,7 +179,7 @@ def test_card_command_leaves_out_run_control_overrides():
 
 
 def test_scaling_report_tables_and_plots_runs_by_tokens(tmp_path, capsys):
-    from eagle_lab.card import HeadCard, write_card
+    from eagle_lab.drafters.card import HeadCard, write_card
     from eagle_lab.training.scaling_report import main
 
     for name, tokens, top1, tau in (("big", 2_000_000, [0.5, 0.4], {"cpu": {"T=0,n=20": 2.1}}),
@@ -198,7 +198,7 @@ def test_scaling_report_tables_and_plots_runs_by_tokens(tmp_path, capsys):
 
 
 def test_scaling_report_compares_mtbench_on_the_same_prompt_count(tmp_path):
-    from eagle_lab.card import HeadCard, write_card
+    from eagle_lab.drafters.card import HeadCard, write_card
     from eagle_lab.training.scaling_report import main
 
     taus = {"both": {"cpu": {"T=0": 2.2, "T=0,n=20": 2.1, "T=1": 1.7}}, "only80": {"cpu": {"T=0": 1.9}}}
@@ -272,7 +272,7 @@ def test_eval_only_needs_a_trained_head(tmp_path):
 
 
 def test_scaling_report_shows_each_kind_of_training_text_as_its_own_series(tmp_path):
-    from eagle_lab.card import HeadCard, write_card
+    from eagle_lab.drafters.card import HeadCard, write_card
     from eagle_lab.training.scaling_report import main, series
 
     kinds = {"sharegpt": {"name": "sharegpt"},  # a card from before the parts were recorded
@@ -290,7 +290,7 @@ def test_scaling_report_shows_each_kind_of_training_text_as_its_own_series(tmp_p
 
 
 def _recipe_run(root, name, recipe, epochs=2.0, tokens=300_000, acc=(0.2, 0.3)):
-    from eagle_lab.card import HeadCard, write_card
+    from eagle_lab.drafters.card import HeadCard, write_card
 
     (root / name / "head").mkdir(parents=True)
     write_card(root / name / "head", HeadCard(target="t", kind="eagle2", train_tokens=tokens, epochs=epochs, steps=180,

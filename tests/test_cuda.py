@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from eagle_lab.draft import EagleDrafter, TreeShape
-from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head_kinds import new_head
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import TargetConfig, load_target
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import TargetConfig, load_target
 from tests.conftest import OracleDrafter
 
 
@@ -26,7 +27,7 @@ def test_greedy_equals_plain_on_cuda(dtype):
 @pytest.mark.cuda
 def test_ngram_branches_on_cuda():
     """Hybrid drafting and n-gram alone: proposer and merge on CUDA tensors, greedy still exact."""
-    from eagle_lab.ngram import NgramDrafter, NgramProposer
+    from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 
     target = load_target(TargetConfig(name="tiny_llama", source="tiny", device="cuda", dtype="float32"))
     prompt = torch.arange(30, 50).repeat(2).cuda()

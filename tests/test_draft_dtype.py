@@ -9,16 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_lab import device
+from eagle_lab.models import device
 from eagle_lab.builders import build_head
 from eagle_lab.config import HeadConfig
 from eagle_lab.decoding.backend import StaticBackend
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head_kinds import new_head
-from eagle_lab.prompts import as_tensor, encode_prompt
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.models.prompts import as_tensor, encode_prompt
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine

@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from eagle_lab.draft import EagleDrafter, TreeShape
-from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head_kinds import new_head
-from eagle_lab.ngram import NgramDrafter, NgramProposer
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
+from eagle_lab.decoding.sampling import SamplingParams
 from tests.conftest import OracleDrafter, small_vocab_target
 
 GREEDY = SamplingParams()
@@ -103,7 +104,7 @@ class EagleWithOracleTree:
 def test_head_cache_equals_recomputation_after_multi_token_rounds(tiny_target):
     """After rounds that accept several tokens, the head's committed KV cache must equal a
     fresh head forward over the whole committed sequence (cache compaction is right)."""
-    from eagle_lab.head import HeadKVCache
+    from eagle_lab.drafters.eagle.head import HeadKVCache
 
     eagle = EagleDrafter(new_head(tiny_target, seed=3), tiny_target, TreeShape(depth=3, topk=2, total_tokens=5))
     drafter = EagleWithOracleTree(eagle, OracleDrafter(tiny_target, depth=4))

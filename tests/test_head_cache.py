@@ -3,7 +3,7 @@ cropping forgets draft entries without copying, and load() takes a batch row's e
 
 import torch
 
-from eagle_lab.head import HeadKVCache
+from eagle_lab.drafters.eagle.head import HeadKVCache
 
 
 def entries(count: int, start: int = 0) -> torch.Tensor:

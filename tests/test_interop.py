@@ -14,14 +14,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from eagle_lab.card import HeadCard, read_card, write_card
-from eagle_lab.draft import EagleDrafter, TreeShape
-from eagle_lab.eagle3 import Eagle3Head
+from eagle_lab.drafters.card import HeadCard, read_card, write_card
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.drafters.eagle.eagle3 import Eagle3Head
 from eagle_lab.errors import EagleLabError
 from eagle_lab.export import main as export_main
-from eagle_lab.head import EagleHead, HeadArchitecture, save_head
-from eagle_lab.head_kinds import new_head
-from eagle_lab.interop import export_head, import_published, is_published_layout, load_head
+from eagle_lab.drafters.eagle.head import EagleHead, HeadArchitecture, save_head
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.eagle.layouts import export_head, import_published, is_published_layout, load_head
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -348,8 +349,8 @@ def test_cli_argument_errors_and_target_from_run(tiny_llama, tmp_path, capsys):
 
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
 def test_a_wider_head_mlp_round_trips_and_drafts_losslessly(tiny_llama, tmp_path, kind):
-    from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-    from eagle_lab.sampling import SamplingParams
+    from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+    from eagle_lab.decoding.sampling import SamplingParams
 
     width = 2 * tiny_llama.config.intermediate_size
     head = new_head(tiny_llama, kind=kind, seed=4, intermediate_size=width)

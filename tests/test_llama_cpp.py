@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from eagle_lab import llama_cpp
+from eagle_lab.models import llama_cpp
 from eagle_lab.errors import EagleLabError
 from eagle_lab.export import export, main
-from eagle_lab.head import save_head
-from eagle_lab.head_kinds import new_head
-from eagle_lab.embedded import smollm2_dir
-from eagle_lab.target import Target
-from eagle_lab.tiny import TinyModelConfig, build_tiny_model
+from eagle_lab.drafters.eagle.head import save_head
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.models.embedded import smollm2_dir
+from eagle_lab.models.target import Target
+from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model
 
 
 @pytest.fixture(scope="module")

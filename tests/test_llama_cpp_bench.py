@@ -11,8 +11,8 @@ from eagle_lab.benchmark.llama_cpp_runs import parse_timing, reply_text
 from eagle_lab.benchmark.run import run_bench
 from eagle_lab.config import BenchConfig, HeadConfig, ServeConfig, TreeConfig
 from eagle_lab.errors import EagleLabError
-from eagle_lab.llama_cpp import ENV
-from eagle_lab.target import TargetConfig
+from eagle_lab.models.llama_cpp import ENV
+from eagle_lab.models.target import TargetConfig
 from tests.llama_cpp_fakes import fake_gguf_dir, fake_llama_cpp, logged_calls
 
 METHODS = ["vanilla", "llamacpp", "llamacpp_eagle3", "llamacpp_ngram"]

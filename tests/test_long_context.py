@@ -10,10 +10,11 @@ context limit.
 import pytest
 import torch
 
-from eagle_lab.draft import EagleDrafter, TreeShape
-from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head_kinds import new_head
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.decoding.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])

@@ -10,12 +10,12 @@ from safetensors.torch import load_file, save_file
 
 from eagle_lab.builders import build_medusa_drafter
 from eagle_lab.config import MedusaConfig, TreeConfig
-from eagle_lab.draft import TreeShape
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.medusa_layout import export_medusa_layout, is_medusa_layout, load_any_medusa
-from eagle_lab.medusa import MedusaArch, MedusaHeads, load_medusa, save_medusa
-from eagle_lab.medusa_draft import MedusaDrafter
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.drafters.medusa.layout import export_medusa_layout, is_medusa_layout, load_any_medusa
+from eagle_lab.drafters.medusa.heads import MedusaArch, MedusaHeads, load_medusa, save_medusa
+from eagle_lab.drafters.medusa.drafter import MedusaDrafter
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.training.losses import Batch, _medusa_predictions
 from tests.conftest import FAMILIES, small_vocab_target
 from tests.test_greedy_lossless import prompts, run_both
@@ -114,7 +114,7 @@ def test_medusa_layout_round_trips_and_own_projections_are_kept(tiny_llama, tmp_
 def test_head_medusa_trains_exports_and_serves_losslessly(tmp_path):
     from test_train import smoke_cfg
 
-    from eagle_lab.card import read_card
+    from eagle_lab.drafters.card import read_card
     from eagle_lab.training.trainer import Recipe
 
     recipe = Recipe(smoke_cfg(tmp_path / "run", "head=medusa", "head.medusa_heads=3", "trainer.max_steps=12",

@@ -8,12 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
-from eagle_lab.packed_linear import PackedLinear, available, pack_linears
-from eagle_lab.draft import EagleDrafter, TreeShape
-from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head_kinds import new_head
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import TargetConfig, load_target
+from eagle_lab.models.packed_linear import PackedLinear, available, pack_linears
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import TargetConfig, load_target
 from tests.conftest import OracleDrafter, small_vocab_target
 from tests.test_sampling_lossless import assert_noisy_drafts_keep_distribution
 
@@ -68,7 +69,7 @@ def test_packing_a_target_keeps_its_parameters_and_ties():
 
 def test_packs_that_would_take_over_a_quarter_of_memory_are_not_made(monkeypatch):
     target = load_target(TargetConfig(name="tiny_llama", source="tiny", device="cpu"))
-    monkeypatch.setattr("eagle_lab.target.physical_memory", lambda: 1 << 16)  # 64 KiB
+    monkeypatch.setattr("eagle_lab.models.target.physical_memory", lambda: 1 << 16)  # 64 KiB
     assert target.pack_linears([1, 4, 8]) == 0 and target.packed_rows == frozenset()
     assert not any(isinstance(m, PackedLinear) for m in target.model.modules())
 

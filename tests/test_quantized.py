@@ -7,14 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head_kinds import new_head
-from eagle_lab.quantized import GROUP, KERNEL_DTYPE, Int4Linear, Int8Linear, quantize_decoder
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import Target, TargetConfig, load_target
-from eagle_lab.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.models.quantized import GROUP, KERNEL_DTYPE, Int4Linear, Int8Linear, quantize_decoder
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import Target, TargetConfig, load_target
+from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
 from tests.conftest import FAMILIES, NoisyDrafter, OracleDrafter, small_vocab_target
 from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs, sampled_sequences
 

@@ -11,11 +11,11 @@ import torch
 from scipy.stats import chisquare
 
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper, generate, speculative_decode
-from eagle_lab.ngram import NgramDrafter, NgramProposer, merge_chain
-from eagle_lab.sampling import SamplingParams, draw, target_probs
-from eagle_lab.tree import build_tree
-from eagle_lab.verify import verify_sampling
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode
+from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer, merge_chain
+from eagle_lab.decoding.sampling import SamplingParams, draw, target_probs
+from eagle_lab.decoding.tree import build_tree
+from eagle_lab.decoding.verify import verify_sampling
 from tests.conftest import NoisyDrafter, small_vocab_target
 
 ALPHA = 1e-3
@@ -207,8 +207,9 @@ def test_speculative_sampling_matches_target(params):
 @pytest.mark.slow
 def test_eagle_drafter_sampling_matches_target():
     """The real EAGLE drafter (random head: on 5 tokens it is right often enough)."""
-    from eagle_lab.draft import EagleDrafter, TreeShape
-    from eagle_lab.head_kinds import new_head
+    from eagle_lab.drafters.eagle.drafter import EagleDrafter
+    from eagle_lab.drafters.growth import TreeShape
+    from eagle_lab.drafters.eagle.kinds import new_head
 
     target = small_vocab_target()
     params = SamplingParams(temperature=0.9)
@@ -315,8 +316,9 @@ def test_negative_control_detects_a_wrong_rule_for_ngram_nodes():
 def ngram_loop_counts(kind: str, samples: int):
     """Whole loop on a prompt that repeats itself: the head's tree with n-gram branches
     (eagle+ngram), or n-gram drafting alone. Returns (sequence counts, n-gram tokens accepted)."""
-    from eagle_lab.draft import EagleDrafter, TreeShape
-    from eagle_lab.head_kinds import new_head
+    from eagle_lab.drafters.eagle.drafter import EagleDrafter
+    from eagle_lab.drafters.growth import TreeShape
+    from eagle_lab.drafters.eagle.kinds import new_head
 
     target = small_vocab_target()
     proposer = NgramProposer(min_match=1, max_match=3, max_tokens=3)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle_lab.head import save_head
-from eagle_lab.head_kinds import new_head
-from eagle_lab.target import TargetConfig, load_target
-from eagle_lab.tiny import TinyModelConfig
+from eagle_lab.drafters.eagle.head import save_head
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.models.target import TargetConfig, load_target
+from eagle_lab.models.tiny import TinyModelConfig
 
 pytestmark = pytest.mark.slow  # every test here starts serve.py in a process of its own
 

@@ -12,21 +12,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_lab.draft import EagleDrafter, TreeShape
-from eagle_lab.draft_model import DraftModelDrafter
-from eagle_lab.medusa_draft import MedusaDrafter
-from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head_kinds import new_head
-from eagle_lab.ngram import NgramDrafter, NgramProposer
-from eagle_lab.prompts import as_tensor, encode_prompt
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.drafters.draft_model.drafter import DraftModelDrafter
+from eagle_lab.drafters.medusa.drafter import MedusaDrafter
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
+from eagle_lab.models.prompts import as_tensor, encode_prompt
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batch import PaddedBatch, padded_mask
 from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory, fork_eagle
 from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.sequence import Sequence
-from eagle_lab.tree import build_tree
+from eagle_lab.decoding.tree import build_tree
 from tests.conftest import OracleDrafter, small_vocab_target
 from tests.test_draft_model import small_lm
 from tests.test_medusa import random_heads

@@ -9,13 +9,14 @@ import time
 import pytest
 import torch
 
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper, speculative_decode
-from eagle_lab.head_kinds import new_head
-from eagle_lab.ngram import NgramDrafter, NgramProposer
-from eagle_lab.prompts import as_tensor, encode_prompt
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.decoding.generate import Stopper, speculative_decode
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
+from eagle_lab.models.prompts import as_tensor, encode_prompt
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.drafters import drafter_factory, fork_eagle
 from eagle_lab.serving.scheduler import Failed, Job, QueueFull, Scheduler
 

@@ -11,13 +11,14 @@ import torch
 
 from eagle_lab.decoding import compiled
 from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
-from eagle_lab.decoding.head_step import GRAPH_TOP_K, ROW_BUCKETS
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.drafters.eagle.head_step import GRAPH_TOP_K, ROW_BUCKETS
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.head_kinds import new_head
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.tree import build_tree
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.tree import build_tree
 from tests.conftest import OracleDrafter, small_vocab_target
 from tests.test_sampling_lossless import assert_noisy_drafts_keep_distribution
 

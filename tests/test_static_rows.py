@@ -15,12 +15,12 @@ import torch
 from eagle_lab.decoding.backend import EagerBackend, StaticBackend
 from eagle_lab.decoding.static_rows import StaticRows, row_buckets
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.decoding.generate import Stopper
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.sequence import Sequence, score_rows
-from eagle_lab.tree import build_tree
+from eagle_lab.decoding.tree import build_tree
 from eagle_lab.serving.drafters import fork_eagle
 from tests.scheduler_helpers import expected_alone, plan, run_plans
 from tests.serving_helpers import serve_config

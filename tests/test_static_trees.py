@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from eagle_lab.decoding.graph_store import GraphStore
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.serving import static_trees
 from eagle_lab.serving.static_trees import PLAIN, trees_on_rows
-from eagle_lab.head_kinds import new_head
+from eagle_lab.drafters.eagle.kinds import new_head
 from tests.serving_helpers import TINY, RunningServer, serve_config
 from tests.test_static_rows import static_rows
 

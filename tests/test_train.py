@@ -14,12 +14,13 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from eagle_lab.config import ServeConfig, TrainConfig, register_configs, to_object
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.interop import load_head
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import TargetConfig, load_target
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.drafters.eagle.layouts import load_head
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import TargetConfig, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -223,7 +224,7 @@ def test_eagle3_smoke_trains_end_to_end(tmp_path):
 
 
 def test_head_layer_can_start_from_the_targets_last_layer(tiny_target):
-    from eagle_lab.head_kinds import new_head
+    from eagle_lab.drafters.eagle.kinds import new_head
 
     head = new_head(tiny_target, layer_from_target=True)
     last = tiny_target.backbone.layers[-1]
@@ -239,7 +240,7 @@ def test_head_layer_can_start_from_the_targets_last_layer(tiny_target):
 def test_capture_dtype_is_chosen_as_configured(monkeypatch):
     """trainer.capture_dtype: the target's own dtype by default, bf16 under auto only where it is
     native (an explicit target.dtype wins), a clear error for anything else."""
-    from eagle_lab import device
+    from eagle_lab.models import device
 
     def chosen(capture: str, dtype: str = "auto") -> str:
         return device.training_dtype(capture, TargetConfig(dtype=dtype, device="cpu"))
@@ -272,7 +273,7 @@ def test_trains_and_evaluates_against_a_bf16_target(tmp_path):
 def test_ranks_wait_at_collectives_as_long_as_configured(monkeypatch):
     import deepspeed
 
-    from eagle_lab.training.engine import init_distributed
+    from eagle_lab.training.deepspeed_setup import init_distributed
 
     seen = {}
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kwargs: seen.update(kwargs))

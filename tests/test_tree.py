@@ -2,7 +2,7 @@
 
 import torch
 
-from eagle_lab.tree import ancestor_mask, build_tree, node_depths, retrieve_indices, select_best
+from eagle_lab.decoding.tree import ancestor_mask, build_tree, node_depths, retrieve_indices, select_best
 
 # root 0 with children 1, 2; 1 has children 3, 4; 3 has child 5
 #        0

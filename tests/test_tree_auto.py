@@ -7,17 +7,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from eagle_lab.draft import Candidates, EagleDrafter, TreeChoice, TreeShape
-from eagle_lab.head_kinds import new_head
-from eagle_lab.ngram import NgramProposer
-from eagle_lab.sampling import SamplingParams, target_probs
-from eagle_lab.tree import build_tree
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import Candidates, TreeChoice, TreeShape
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.ngram import NgramProposer
+from eagle_lab.decoding.sampling import SamplingParams, target_probs
+from eagle_lab.decoding.tree import build_tree
 from eagle_lab.tree_search.auto import auto_tree, choose, row_ms, row_tau
 from eagle_lab.tree_search.space import TreeSearchConfig
 from eagle_lab.tree_search.costs import CostModel
 from eagle_lab.tree_search.replay import (Recording, ReplayTree, expected_accept, ngram_lengths, node_paths, record,
                                           replay_all, simulate_accept, simulate_hybrid)
-from eagle_lab.verify import verify
+from eagle_lab.decoding.verify import verify
 from eagle_lab.tree_search.validate import decode_timings
 from tests.conftest import small_vocab_target
 

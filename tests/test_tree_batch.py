@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from eagle_lab.draft import BatchTree, EagleDrafter, TreeShape
-from eagle_lab.generate import Stopper, generate, speculative_decode
-from eagle_lab.head_kinds import new_head
-from eagle_lab.ngram import NgramProposer
-from eagle_lab.prompts import as_tensor, encode_prompt
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import BatchTree, TreeShape
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.ngram import NgramProposer
+from eagle_lab.models.prompts import as_tensor, encode_prompt
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory, fork_eagle
 from eagle_lab.serving.engine import Engine

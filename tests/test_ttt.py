@@ -2,8 +2,8 @@
 
 import torch
 
-from eagle_lab.head import HeadKVCache
-from eagle_lab.head_kinds import new_head
+from eagle_lab.drafters.eagle.head import HeadKVCache
+from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.training.ttt import unrolled_hidden
 
 

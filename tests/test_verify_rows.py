@@ -7,9 +7,9 @@ greedy and sampled (each row with its own generator)."""
 import pytest
 import torch
 
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.tree import build_tree
-from eagle_lab.verify import verify, verify_rows, verify_steps
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.tree import build_tree
+from eagle_lab.decoding.verify import verify, verify_rows, verify_steps
 
 VOCAB, HIDDEN, NODES = 7, 5, 6
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from eagle_lab.benchmark.tool_args import key_values
 from eagle_lab.decoding.compiled import CPU_OPTIONS, inductor_cache_dir, inductor_settings
-from eagle_lab.device import resolve_dtype
+from eagle_lab.models.device import resolve_dtype
 from eagle_lab.errors import EagleLabError
 from eagle_lab.tree_search.costs import timed
 

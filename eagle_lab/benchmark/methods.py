@@ -9,11 +9,11 @@ from eagle_lab.builders import (build_draft_model_drafter, build_drafter, build_
                                 ngram_proposer)
 from eagle_lab.config import ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
-from eagle_lab.draft import Drafter
+from eagle_lab.decoding.tree import Drafter
 from eagle_lab.errors import EagleLabError
-from eagle_lab.ngram import NgramDrafter
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import Target
+from eagle_lab.drafters.ngram import NgramDrafter
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import Target
 from eagle_lab.tree_search.presets import tree_preset
 
 log = logging.getLogger(__name__)

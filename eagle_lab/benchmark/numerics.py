@@ -22,8 +22,8 @@ import torch
 
 from eagle_lab.benchmark.tool_args import key_values
 from eagle_lab.errors import EagleLabError
-from eagle_lab.prompts import encode_prompt
-from eagle_lab.target import Target, TargetConfig, load_target
+from eagle_lab.models.prompts import encode_prompt
+from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.tree_search.auto import CALIBRATION_PROMPTS
 
 

@@ -22,12 +22,12 @@ from eagle_lab.builders import build_head, eagle_drafter
 from eagle_lab.config import HeadConfig
 from eagle_lab.benchmark.tool_args import key_values
 from eagle_lab.decoding.backend import DecodingConfig, build_backend, compile_choice
-from eagle_lab.draft import TreeShape
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.prompts import encode_prompt
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import TargetConfig, load_target
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.models.prompts import encode_prompt
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import TargetConfig, load_target
 from eagle_lab.tree_search.auto import CALIBRATION_PROMPTS
 
 PHASES = {"drafted": "drafting", "scored": "scoring forward (target + LM head)", "verified": "verification",

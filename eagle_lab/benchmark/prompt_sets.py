@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 from eagle_lab.errors import EagleLabError
-from eagle_lab.packages import package_data_file
-from eagle_lab.prompts import read_prompts_file
+from eagle_lab.models.packages import package_data_file
+from eagle_lab.models.prompts import read_prompts_file
 
 Prompt = str | list[dict]
 DATASETS = ("mt_bench", "humaneval")

@@ -24,9 +24,9 @@ from dataclasses import replace
 import torch
 
 from eagle_lab.decoding.batch_generate import Reply, generate_on_rows, grouped_query_sdpa
-from eagle_lab.device import training_dtype
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import Target, TargetConfig, load_target
+from eagle_lab.models.device import training_dtype
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.training.data import DataConfig, load_conversations, tokenize_conversation
 from eagle_lab.training.features import compute_features, greedy_tokens
 from eagle_lab.training.regenerate import RegenerateConfig, ReplyWriter, reply_rows

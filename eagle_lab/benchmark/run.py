@@ -43,10 +43,10 @@ from eagle_lab.builders import SPECULATIVE, build_decoder, make_generator
 from eagle_lab.config import ServeConfig
 from eagle_lab.decoding.backend import EagerBackend, build_backend
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import Stopper, generate
-from eagle_lab.prompts import as_tensor, encode_prompt
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import load_target
+from eagle_lab.decoding.generate import Stopper, generate
+from eagle_lab.models.prompts import as_tensor, encode_prompt
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import load_target
 
 log = logging.getLogger(__name__)
 

@@ -30,16 +30,16 @@ from eagle_lab.builders import make_drafter
 from eagle_lab.config import ServeConfig
 from eagle_lab.decoding.backend import build_backend
 from eagle_lab.decoding.static_rows import StaticRows
-from eagle_lab.draft import EagleDrafter
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.errors import EagleLabError
-from eagle_lab.prompts import encode_prompt
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.models.prompts import encode_prompt
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine, Finished, Plan
 from eagle_lab.serving.scheduler import Job
 from eagle_lab.serving.server import batch_trees, serving_rows
-from eagle_lab.target import Target, load_target
+from eagle_lab.models.target import Target, load_target
 
 log = logging.getLogger(__name__)
 BATCHABLE = ("eagle", "vanilla", "ngram", "draft_model", "medusa")

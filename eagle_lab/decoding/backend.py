@@ -22,7 +22,7 @@ from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.decoding.scoring import DynamicScorer, Scorer, StaticScorer
 from eagle_lab.decoding.static_cache import EAGER_BLOCK, StaticKVCache
 from eagle_lab.errors import EagleLabError
-from eagle_lab.target import Target, additive_mask
+from eagle_lab.models.target import Target, additive_mask
 
 log = logging.getLogger(__name__)
 COMPILE_CHOICES = ("auto", "true", "false")
@@ -48,7 +48,7 @@ class DecodingConfig:
     (graph_store.py): faster where inductor's C++ GEMM template beats MKL at a few rows, at the cost of
     the weights' size on disk per graph and minutes of autotuning per graph.
     packed_weights: on CPU in float32, forwards over a bucket's tokens multiply by weights prepacked for that
-    many rows (eagle_lab/packed_linear.py): a 4-token forward then costs about 1.2x a 1-token one instead of
+    many rows (eagle_lab/models/packed_linear.py): a 4-token forward then costs about 1.2x a 1-token one instead of
     1.75x, for one copy of the linear weights per bucket above 1 in memory.
     compile_min_tokens: compile=auto builds missing graphs only when the run will decode at least this many
     tokens (prompts x max_new_tokens; the bench and the server always qualify); a shorter run uses the graphs

@@ -20,7 +20,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import shutil
 import time
 
@@ -30,15 +29,15 @@ from torch import nn
 from transformers import StaticCache
 
 from eagle_lab.decoding.graph_store import GraphStore, cpu_features
-from eagle_lab.embedded import cache_root
-from eagle_lab.target import Target
+from eagle_lab.models.embedded import cache_root
+from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
 CPU_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
 CHOICE_FILE = "compile_choice.json"
 EAGER_MARGIN = 0.9  # compile=auto keeps a shape eager only when eager timed at least 10% faster
 # what the target step's packages are built from
-STEP_SOURCES = ("decoding/compiled.py", "packed_linear.py", "quantized.py")
+STEP_SOURCES = ("decoding/compiled.py", "models/packed_linear.py", "models/quantized.py")
 
 
 def inductor_cache_dir() -> str:

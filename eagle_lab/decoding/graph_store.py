@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eagle_lab.embedded import cache_root
+from eagle_lab.models.embedded import cache_root
 
 log = logging.getLogger(__name__)
 STORE_DIR = "compiled"
@@ -75,8 +75,9 @@ def source_digest(sources: tuple[str, ...]) -> str:
     package = Path(__file__).resolve().parent.parent
     for relative in ("decoding/graph_store.py", *sources):
         path = package / relative
-        if path.is_file():
-            digest.update(path.read_bytes())
+        if not path.is_file():
+            raise FileNotFoundError(f"a step's source list names {relative}, which is not in {package}")
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -1,6 +1,6 @@
 """One speculative round for one sequence: draft -> score -> verify -> commit.
 
-The round is written once; the loops (eagle_lab/generate.py) drive it, and anything that
+The round is written once; the loops (eagle_lab/decoding/generate.py) drive it, and anything that
 wants to watch a round (profiling, tree search timing) passes a `RoundObserver` instead of
 patching functions: it is told each phase's result and its wall time.
 """
@@ -14,9 +14,9 @@ from typing import Protocol
 import torch
 
 from eagle_lab.decoding.scoring import Scored, Scorer
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.tree import DraftTree
-from eagle_lab.verify import verify
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.tree import DraftTree
+from eagle_lab.decoding.verify import verify
 
 
 @dataclass

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from eagle_lab.cache import keep_accepted, truncate
+from eagle_lab.decoding.cache import keep_accepted, truncate
 from eagle_lab.errors import EagleLabError
-from eagle_lab.target import Target
+from eagle_lab.models.target import Target
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers import StaticCache
 
-from eagle_lab.cache import move_row_entries
+from eagle_lab.decoding.cache import move_row_entries
 from eagle_lab.errors import EagleLabError
 
 EAGER_BLOCK = 16  # positions an eager forward's attended length is rounded to (views of that length are kept)

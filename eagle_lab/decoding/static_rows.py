@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_lab.target import additive_mask
+from eagle_lab.models.target import additive_mask
 from eagle_lab.decoding.backend import StaticBackend
 from eagle_lab.decoding.static_cache import StaticKVCache
 from eagle_lab.errors import EagleLabError
-from eagle_lab.tree import DraftTree
+from eagle_lab.decoding.tree import DraftTree
 
 
 @dataclass

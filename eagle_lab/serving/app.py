@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eagle_lab.serving.engine import Delta, Engine, Finished, Plan
-from eagle_lab.serving.errors import APIError, error_body
+from eagle_lab.serving.http_errors import APIError, error_body
 from eagle_lab.serving.protocol import ChatRequest, CompletionRequest, Shapes
 from eagle_lab.serving.scheduler import Failed, Job, QueueFull, Scheduler, SchedulerStopped
 

@@ -12,7 +12,7 @@ caches are gathered into one right-padded cache, and every round pads the trees:
                                      padded query sees only itself (no empty softmax row)
 
 After verification each row keeps its past and then its accepted nodes, moved in place (the
-per-row equivalent of eagle_lab.cache.keep_accepted), and the padded cache is kept for the next
+per-row equivalent of eagle_lab.decoding.cache.keep_accepted), and the padded cache is kept for the next
 round while the same sequences share the forward (continuous batching changes membership only
 between rounds, and mostly not every round). Batch 1 runs on the sequence's own cache, untouched.
 
@@ -36,11 +36,11 @@ import time
 
 import torch
 
-from eagle_lab.cache import move_row_entries
-from eagle_lab.generate import _head_features
+from eagle_lab.decoding.cache import move_row_entries
+from eagle_lab.decoding.generate import _head_features
 from eagle_lab.serving.sequence import Scored, Sequence
-from eagle_lab.target import Target, TargetConfig, additive_mask, load_target
-from eagle_lab.tree import DraftTree, build_tree
+from eagle_lab.models.target import Target, TargetConfig, additive_mask, load_target
+from eagle_lab.decoding.tree import DraftTree, build_tree
 
 
 def padded_mask(pasts: list[int], trees: list[DraftTree], dtype: torch.dtype,

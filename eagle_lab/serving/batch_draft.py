@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from eagle_lab.cache import move_row_entries
-from eagle_lab.target import additive_mask
-from eagle_lab.draft import Candidates, EagleDrafter
-from eagle_lab.head import EagleHead, HeadKVCache
+from eagle_lab.decoding.cache import move_row_entries
+from eagle_lab.models.target import additive_mask
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import Candidates
+from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache
 from eagle_lab.serving.sequence import Sequence
-from eagle_lab.tree import DraftTree, build_tree, root_only_tree, select_best
+from eagle_lab.decoding.tree import DraftTree, build_tree, root_only_tree, select_best
 
 
 def runs_head(sequence: Sequence) -> bool:

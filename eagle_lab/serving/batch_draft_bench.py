@@ -19,15 +19,16 @@ import time
 import torch
 
 from eagle_lab.builders import packaged_head_dir
-from eagle_lab.draft import EagleDrafter, TreeShape
-from eagle_lab.generate import Stopper
-from eagle_lab.head_kinds import new_head
-from eagle_lab.interop import load_head
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.decoding.generate import Stopper
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.eagle.layouts import load_head
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.drafters import fork_eagle
 from eagle_lab.serving.sequence import Sequence
-from eagle_lab.target import Target, TargetConfig, load_target
+from eagle_lab.models.target import Target, TargetConfig, load_target
 
 
 def _next_round(sequences: list[Sequence], features: list[torch.Tensor]) -> None:

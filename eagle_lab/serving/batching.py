@@ -16,7 +16,7 @@ leave between rounds, Scheduler._admit):
      cache is kept while the same sequences share the forward), or at batch 1 the sequence's
      own forward, exactly as generate.py runs it;
   5. each job verifies its tree with its own rule and generator, the jobs' walks in lockstep so
-     that one LM-head call per step serves them all (eagle_lab.verify.verify_rows; batch 1
+     that one LM-head call per step serves them all (eagle_lab.decoding.verify.verify_rows; batch 1
      walks alone, as generate.py; the static step has already computed every node's logits, so
      the walks only read them), compacts its cache, and sends its tokens; finished jobs leave.
 A failure in one job's own steps fails that job alone; a failing batched forward (or batched
@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import logging
 
-from eagle_lab.draft import TreeShape
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.serving.batch import PaddedBatch
 from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.serving.scheduler import Job, Scheduler
 from eagle_lab.serving.sequence import score_rows
-from eagle_lab.target import Target
-from eagle_lab.verify import verify_rows
+from eagle_lab.models.target import Target
+from eagle_lab.decoding.verify import verify_rows
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-from eagle_lab.draft import Drafter, EagleDrafter
-from eagle_lab.draft_model import DraftModelDrafter
-from eagle_lab.medusa_draft import MedusaDrafter
-from eagle_lab.ngram import NgramDrafter
+from eagle_lab.decoding.tree import Drafter
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.draft_model.drafter import DraftModelDrafter
+from eagle_lab.drafters.medusa.drafter import MedusaDrafter
+from eagle_lab.drafters.ngram import NgramDrafter
 
 
 def fork_eagle(prototype: EagleDrafter) -> EagleDrafter:

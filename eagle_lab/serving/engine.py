@@ -21,17 +21,18 @@ from jinja2.exceptions import TemplateError
 from eagle_lab.builders import make_generator
 from eagle_lab.config import ServeConfig
 from eagle_lab.decoding.static_rows import StaticRows
-from eagle_lab.draft import Drafter, EagleDrafter
+from eagle_lab.decoding.tree import Drafter
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import GenerationStats, Stopper
-from eagle_lab.prompts import as_tensor, encode_prompt
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.text_stream import TextStream
-from eagle_lab.serving.errors import APIError
+from eagle_lab.decoding.generate import GenerationStats, Stopper
+from eagle_lab.models.prompts import as_tensor, encode_prompt
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.serving.text_stream import TextStream
+from eagle_lab.serving.http_errors import APIError
 from eagle_lab.serving.protocol import MAX_STOP_STRINGS, NEUTRAL, ROLES, SEED_RANGE, ChatRequest, \
     CompletionRequest, SamplingFields
 from eagle_lab.serving.sequence import Scored, Sequence
-from eagle_lab.target import Target
+from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """One request's decoding state, advanced one round at a time so that rounds can be batched.
 
-The steps are those of eagle_lab.generate's loops (speculative_decode, vanilla_decode), split
+The steps are those of eagle_lab.decoding.generate's loops (speculative_decode, vanilla_decode), split
 at the target forward so that one forward can score the trees of many sequences:
 
   prefill()      the prompt alone (batch 1): the first token
@@ -13,7 +13,7 @@ at the target forward so that one forward can score the trees of many sequences:
      eagle_lab.decoding.static_rows.StaticRows over the sequences' rows: score_rows() --
   accept(scored) verify with this sequence's own generator, compact its cache, emit tokens (at
                  batch > 1 the rows' verification walks run in lockstep first, one LM-head call
-                 per step for all rows: verification() and eagle_lab.verify.verify_rows)
+                 per step for all rows: verification() and eagle_lab.decoding.verify.verify_rows)
 
 Everything a round reads is this sequence's own (cache, drafter, torch.Generator, stopper),
 so its output does not depend on which other sequences share the forward; only the float
@@ -29,15 +29,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from eagle_lab.cache import keep_accepted
+from eagle_lab.decoding.cache import keep_accepted
 from eagle_lab.decoding.static_rows import StaticRows
-from eagle_lab.draft import BatchTree, Drafter, TreeShape
+from eagle_lab.decoding.tree import Drafter
+from eagle_lab.drafters.growth import BatchTree, TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.generate import GenerationStats, Stopper, _check_prompt, _head_features, _ngram_counts, score_tree
-from eagle_lab.sampling import SamplingParams, next_token
-from eagle_lab.target import Target
-from eagle_lab.tree import DraftTree, root_only_tree
-from eagle_lab.verify import VerifySteps, run_steps, verify_steps
+from eagle_lab.decoding.generate import GenerationStats, Stopper, _check_prompt, _head_features, _ngram_counts, score_tree
+from eagle_lab.decoding.sampling import SamplingParams, next_token
+from eagle_lab.models.target import Target
+from eagle_lab.decoding.tree import DraftTree, root_only_tree
+from eagle_lab.decoding.verify import VerifySteps, run_steps, verify_steps
 
 
 @dataclass
@@ -156,7 +157,7 @@ class Sequence:
 
     def verification(self) -> VerifySteps:
         """This round's verification walk, with this sequence's own rule and generator; the batched
-        round drives every row's walk in lockstep (eagle_lab.verify.verify_rows) and hands the
+        round drives every row's walk in lockstep (eagle_lab.decoding.verify.verify_rows) and hands the
         result to accept()."""
         return verify_steps(self.tree, self.params, self.generator)
 

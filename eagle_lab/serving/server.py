@@ -15,12 +15,13 @@ from eagle_lab.builders import make_drafter, ngram_proposer
 from eagle_lab.config import ServeConfig, ServerConfig
 from eagle_lab.decoding.backend import StaticBackend, build_backend
 from eagle_lab.decoding.static_rows import StaticRows
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
-from eagle_lab.target import load_target
+from eagle_lab.models.target import load_target
 from eagle_lab.serving.static_trees import build_row_graphs, trees_on_rows
 from eagle_lab.serving.tree_per_batch import trees_per_batch
 from eagle_lab.tree_search.auto import calibration_prompts

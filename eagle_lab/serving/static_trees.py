@@ -20,11 +20,12 @@ from pathlib import Path
 
 from eagle_lab.decoding.graph_store import source_digest
 from eagle_lab.decoding.static_rows import StaticRows
-from eagle_lab.draft import BatchTree, EagleDrafter, TreeShape
-from eagle_lab.embedded import cache_root
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import BatchTree, TreeShape
+from eagle_lab.models.embedded import cache_root
 from eagle_lab.serving.timed_batch import timed_batch_decoding
 from eagle_lab.serving.tree_per_batch import PROBE_BATCHES, ROUND_SOURCES
-from eagle_lab.target import Target
+from eagle_lab.models.target import Target
 from eagle_lab.tree_search.auto import calibration_fingerprint
 from eagle_lab.tree_search.space import TreeSearchConfig
 

@@ -14,15 +14,16 @@ import time
 import torch
 
 from eagle_lab.decoding.static_rows import StaticRows
-from eagle_lab.draft import BatchTree, EagleDrafter
-from eagle_lab.generate import Stopper
-from eagle_lab.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import BatchTree
+from eagle_lab.decoding.generate import Stopper
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batch import PaddedBatch
 from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.drafters import fork_eagle
 from eagle_lab.serving.sequence import Sequence, score_rows
-from eagle_lab.target import Target
-from eagle_lab.verify import verify_rows
+from eagle_lab.models.target import Target
+from eagle_lab.decoding.verify import verify_rows
 
 
 @torch.no_grad()

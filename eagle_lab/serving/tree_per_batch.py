@@ -41,15 +41,16 @@ from pathlib import Path
 
 import torch
 
-from eagle_lab.draft import BatchTree, EagleDrafter, TreeShape
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import BatchTree, TreeShape
 from eagle_lab.decoding.graph_store import source_digest
-from eagle_lab.embedded import cache_root
-from eagle_lab.ngram import NgramProposer
+from eagle_lab.models.embedded import cache_root
+from eagle_lab.drafters.ngram import NgramProposer
 from eagle_lab.serving.batch import gather_caches, padded_mask
 from eagle_lab.serving.batch_draft_bench import time_drafting
 from eagle_lab.serving.timed_batch import timed_batch_decoding
-from eagle_lab.target import Target
-from eagle_lab.tree import build_tree
+from eagle_lab.models.target import Target
+from eagle_lab.decoding.tree import build_tree
 from eagle_lab.tree_search.auto import calibration, calibration_prompts, choose
 from eagle_lab.tree_search.costs import CostModel, timed
 from eagle_lab.tree_search.space import TreeSearchConfig
@@ -61,7 +62,7 @@ PROBE_TOKENS = (1, 4, 8, 16, 32)  # K per row; beyond, costs are extrapolated li
 # The batched round's code: a digest of these files is in the key of its cached timings, so a change
 # that may move the round's cost has them taken again instead of reused.
 ROUND_SOURCES = ("serving/batching.py", "serving/sequence.py", "serving/batch_draft.py", "serving/batch.py",
-                 "serving/timed_batch.py", "decoding/static_rows.py", "decoding/round.py", "verify.py")
+                 "serving/timed_batch.py", "decoding/static_rows.py", "decoding/round.py", "decoding/verify.py")
 
 
 def interpolate(table: dict[int, float], x: float) -> float:

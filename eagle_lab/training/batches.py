@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from eagle_lab.target import Target
+from eagle_lab.models.target import Target
 from eagle_lab.training.corpus import CorpusStore
 from eagle_lab.training.features import Example, compute_features, greedy_tokens
 from eagle_lab.training.losses import Batch

@@ -35,9 +35,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from eagle_lab.embedded import cache_root
+from eagle_lab.models.embedded import cache_root
 from eagle_lab.errors import EagleLabError
-from eagle_lab.target import Target
+from eagle_lab.models.target import Target
 from eagle_lab.training.corpus_layout import (MANIFEST, Conversation, Split, claim, layer_tag, read_manifest, release,
                                               write_manifest)
 from eagle_lab.training.features import STORE_DTYPE, Example, compute_features, greedy_tokens

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from eagle_lab.eagle3 import eagle3_layer_ids
-from eagle_lab.embedded import cache_root
+from eagle_lab.drafters.eagle.eagle3 import eagle3_layer_ids
+from eagle_lab.models.embedded import cache_root
 from eagle_lab.errors import EagleLabError
 from eagle_lab.training.batches import ExampleSource
 from eagle_lab.training.corpus import CorpusStore, CorpusStores, capture_split, open_corpus

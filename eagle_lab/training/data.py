@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_lab.errors import EagleLabError
-from eagle_lab.packages import package_data_file
+from eagle_lab.models.packages import package_data_file
 from eagle_lab.training.regenerate import RegenerateConfig
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from eagle_lab.draft_lm_store import save_draft_vocab
+from eagle_lab.drafters.draft_model.store import save_draft_vocab
 from eagle_lab.errors import EagleLabError
-from eagle_lab.target import Target
+from eagle_lab.models.target import Target
 
 
 class DraftLM(nn.Module):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_lab.target import Target
+from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
 STORE_DTYPE = torch.bfloat16  # halves the disk; features are regression targets, not exact values

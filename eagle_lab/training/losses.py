@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eagle_lab.head import draft_lm_head_weight
-from eagle_lab.medusa import MedusaHeads
+from eagle_lab.drafters.eagle.head import draft_lm_head_weight
+from eagle_lab.drafters.medusa.heads import MedusaHeads
 from eagle_lab.training.draft_lm import DraftLM
 from eagle_lab.training.features import greedy_tokens
 from eagle_lab.training.ttt import unrolled_hidden

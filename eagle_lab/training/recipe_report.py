@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle_lab.card import HeadCard
-from eagle_lab.head import CONFIG_NAME
+from eagle_lab.drafters.card import HeadCard
+from eagle_lab.drafters.eagle.head import CONFIG_NAME
 from eagle_lab.training.scaling_report import load_cards, mtbench, report_parser, write_report
 
 TRAIN_WINDOW_STEPS = 200  # training top-1 at the end: the mean over the last quarter of the steps, at most this many

@@ -39,10 +39,10 @@ from tqdm import tqdm
 from eagle_lab.decoding.backend import StaticBackend
 from eagle_lab.decoding.batch_generate import generate_on_rows, grouped_query_sdpa
 from eagle_lab.decoding.static_rows import StaticRows
-from eagle_lab.embedded import cache_root
+from eagle_lab.models.embedded import cache_root
 from eagle_lab.errors import EagleLabError
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import Target
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
 Messages = list[dict[str, str]]

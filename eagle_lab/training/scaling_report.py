@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle_lab.card import HeadCard, bench_prompts, read_card
+from eagle_lab.drafters.card import HeadCard, bench_prompts, read_card
 
 
 def load_cards(run_dirs: list[Path]) -> list[tuple[Path, HeadCard]]:

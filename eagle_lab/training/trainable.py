@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from eagle_lab.errors import EagleLabError
-from eagle_lab.head import save_head
-from eagle_lab.head_kinds import new_head
-from eagle_lab.medusa import MedusaArch, MedusaHeads, save_medusa
-from eagle_lab.target import Target
+from eagle_lab.drafters.eagle.head import save_head
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.medusa.heads import MedusaArch, MedusaHeads, save_medusa
+from eagle_lab.models.target import Target
 from eagle_lab.training.draft_lm import DraftLM, new_draft_lm, save_draft_lm
 
 KINDS = ("eagle2", "eagle3", "draft_lm", "medusa")

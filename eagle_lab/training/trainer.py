@@ -19,13 +19,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from eagle_lab.card import HeadCard, write_card
+from eagle_lab.drafters.card import HeadCard, write_card
 from eagle_lab.config import TrainConfig, to_object
-from eagle_lab.eagle3 import eagle3_layer_ids
-from eagle_lab.device import cpu_has_bf16, training_dtype
+from eagle_lab.drafters.eagle.eagle3 import eagle3_layer_ids
+from eagle_lab.models.device import cpu_has_bf16, training_dtype
 from eagle_lab.errors import EagleLabError
-from eagle_lab.head import draft_lm_head_weight
-from eagle_lab.target import load_target
+from eagle_lab.drafters.eagle.head import draft_lm_head_weight
+from eagle_lab.models.target import load_target
 from eagle_lab.training import checkpoint as ckpt
 from eagle_lab.training.batches import ExampleSource, collate, epoch_order
 from eagle_lab.training.corpus import CorpusStore, capture_split
@@ -33,7 +33,7 @@ from eagle_lab.training.corpus_sources import features_root, open_corpus_sources
 from eagle_lab.training.corpus_layout import Split
 from eagle_lab.training.data import build_datasets
 from eagle_lab.training.draft_vocab import draft_vocabulary, supervised_counts
-from eagle_lab.training.engine import deepspeed_config, init_distributed, lr_lambda
+from eagle_lab.training.deepspeed_setup import deepspeed_config, init_distributed, lr_lambda
 from eagle_lab.training.features import Example, features_key
 from eagle_lab.training.global_batch import global_batch_step
 from eagle_lab.training.losses import Batch, heldout_accuracy, prediction_steps
@@ -141,7 +141,7 @@ class Recipe:
 
     def _trained_head(self):
         """trainer.eval_only: the head at head.path, in the dtype training evaluates in."""
-        from eagle_lab.interop import load_head
+        from eagle_lab.drafters.eagle.layouts import load_head
 
         head = load_head(self.cfg.head.path, self.target)
         if head.arch.kind != self.cfg.head.kind:

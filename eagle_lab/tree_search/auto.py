@@ -47,12 +47,13 @@ from pathlib import Path
 
 import torch
 
-from eagle_lab.draft import EagleDrafter, TreeChoice, TreeShape
-from eagle_lab.embedded import cache_root
-from eagle_lab.ngram import NgramProposer
-from eagle_lab.prompts import encode_prompt
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import Target
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeChoice, TreeShape
+from eagle_lab.models.embedded import cache_root
+from eagle_lab.drafters.ngram import NgramProposer
+from eagle_lab.models.prompts import encode_prompt
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import Target
 from eagle_lab.tree_search.costs import (K_GRID, CostModel, largest_tree, measure_draft_costs, measure_target_costs,
                                          timed_ngram_rounds, timed_rounds)
 from eagle_lab.tree_search.space import TreeSearchConfig

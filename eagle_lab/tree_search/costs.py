@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_lab.draft import EagleDrafter, TreeShape
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.decoding.backend import Backend, EagerBackend
-from eagle_lab.generate import Stopper, speculative_decode
-from eagle_lab.ngram import NgramProposer
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import Target
+from eagle_lab.decoding.generate import Stopper, speculative_decode
+from eagle_lab.drafters.ngram import NgramProposer
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import Target
 
 K_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 

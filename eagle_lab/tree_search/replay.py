@@ -24,11 +24,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from eagle_lab.draft import Candidates, EagleDrafter, TreeShape
-from eagle_lab.generate import Stopper, speculative_decode
-from eagle_lab.ngram import NgramProposer
-from eagle_lab.sampling import SamplingParams, target_probs
-from eagle_lab.target import Target
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import Candidates, TreeShape
+from eagle_lab.decoding.generate import Stopper, speculative_decode
+from eagle_lab.drafters.ngram import NgramProposer
+from eagle_lab.decoding.sampling import SamplingParams, target_probs
+from eagle_lab.models.target import Target
 from eagle_lab.tree_search.space import TreeSearchConfig
 
 

@@ -11,11 +11,12 @@ from dataclasses import asdict, replace
 
 import torch
 
-from eagle_lab.draft import EagleDrafter, TreeShape
-from eagle_lab.generate import Stopper, speculative_decode
-from eagle_lab.ngram import NgramProposer
-from eagle_lab.sampling import SamplingParams
-from eagle_lab.target import Target
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.decoding.generate import Stopper, speculative_decode
+from eagle_lab.drafters.ngram import NgramProposer
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import Target
 from eagle_lab.tree_search.space import TreeSearchConfig
 from eagle_lab.tree_search.costs import CostModel
 

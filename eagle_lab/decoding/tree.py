@@ -5,11 +5,13 @@ parent index is smaller than its child's). From it follow:
   depths            [N]        root 0
   ancestor mask     [N, N]     mask[i, j] = j is i or an ancestor of i (tree attention)
   retrieve_indices  [L, D + 1] one row per leaf: node indices from the root down, -1 padded
+`Drafter` is what the decoding loop asks of any drafter: a tree after the committed tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -98,3 +100,13 @@ def select_best(scores: torch.Tensor, parents: torch.Tensor, count: int) -> tupl
     if bool((new_parents < 0).any()):
         raise RuntimeError("tree selection dropped an ancestor; scores must not increase with depth")
     return kept, new_parents
+
+
+class Drafter(Protocol):
+    def reset(self) -> None: ...
+
+    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+        """sequence: [T] committed tokens, the last one the root; new_features: [P, F]
+        target features at positions T-1-P .. T-2 (those the drafter has not seen): the top
+        feature, or the layers named by the drafter's `feature_layers` concatenated."""
+        ...

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from eagle_lab.eagle3 import Eagle3Head
+from eagle_lab.drafters.eagle.eagle3 import Eagle3Head
 from eagle_lab.errors import EagleLabError
-from eagle_lab.head import CONFIG_NAME, WEIGHTS_NAME, EagleHead, HeadArchitecture
+from eagle_lab.drafters.eagle.head import CONFIG_NAME, WEIGHTS_NAME, EagleHead, HeadArchitecture
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from eagle_lab.device import resolve_device, resolve_dtype
-from eagle_lab.embedded import smollm2_dir
+from eagle_lab.models.device import resolve_device, resolve_dtype
+from eagle_lab.models.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
-from eagle_lab.model_shape import ModelShape
-from eagle_lab.packed_linear import available, pack_linears
-from eagle_lab.quantized import quantize_decoder
-from eagle_lab.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
+from eagle_lab.models.model_shape import ModelShape
+from eagle_lab.models.packed_linear import available, pack_linears
+from eagle_lab.models.quantized import quantize_decoder
+from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
 
 log = logging.getLogger(__name__)
 SOURCES = ("embedded", "pretrained", "tiny")
@@ -54,7 +54,7 @@ class Target(ModelShape):
 
     def __init__(self, model, tokenizer, name: str, max_context: int = 0, weights: str = "fp32"):
         self.model = model.eval().requires_grad_(False)
-        self.weights = weights  # the decoder's linear weights (eagle_lab.quantized)
+        self.weights = weights  # the decoder's linear weights (eagle_lab.models.quantized)
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
@@ -69,7 +69,7 @@ class Target(ModelShape):
 
     def pack_linears(self, rows: list[int]) -> int:
         """Forwards over any of `rows` tokens multiply by weights prepacked for that many rows (CPU, float32;
-        eagle_lab/packed_linear.py); returns how many linear layers were wrapped, 0 where packing is unavailable."""
+        eagle_lab/models/packed_linear.py); returns how many linear layers were wrapped, 0 where packing is unavailable."""
         if not available(self.device, self.dtype):
             return 0
         new_rows = {r for r in rows if r > 1} - self.packed_rows

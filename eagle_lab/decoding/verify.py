@@ -29,7 +29,7 @@ than the final draw. Because the target's logits at a child are computed with th
 child's token in context (tree attention), descending repeats the argument one position
 later, so whole sequences follow the target's distribution.
 
-N-gram nodes (hybrid drafting, eagle_lab/ngram.py) go through the same rule, unchanged.
+N-gram nodes (hybrid drafting, eagle_lab/drafters/ngram.py) go through the same rule, unchanged.
 The proof above used only two facts about the children of a node: (a) they are fixed
 before any of this node's uniforms are drawn, i.e. a deterministic function of the
 context (committed tokens and the accepted path to the node), and (b) their tokens are
@@ -50,8 +50,8 @@ from collections.abc import Callable, Generator
 
 import torch
 
-from eagle_lab.sampling import SamplingParams, draw, target_probs
-from eagle_lab.tree import DraftTree
+from eagle_lab.decoding.sampling import SamplingParams, draw, target_probs
+from eagle_lab.decoding.tree import DraftTree
 
 
 NodeLogits = Callable[[int], torch.Tensor]  # node index -> [V] target logits at that node

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from eagle_lab.cache import cache_length, truncate
-from eagle_lab.draft import Candidates, TreeShape, grow_dynamic_tree
+from eagle_lab.decoding.cache import cache_length, truncate
+from eagle_lab.drafters.growth import Candidates, TreeShape, grow_dynamic_tree
 from eagle_lab.errors import EagleLabError
-from eagle_lab.target import Target, additive_mask
-from eagle_lab.tree import DraftTree, root_only_tree
+from eagle_lab.models.target import Target, additive_mask
+from eagle_lab.decoding.tree import DraftTree, root_only_tree
 
 
 

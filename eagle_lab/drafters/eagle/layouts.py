@@ -31,9 +31,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle_lab.errors import EagleLabError
-from eagle_lab.eagle3 import eagle3_layer_ids
-from eagle_lab.head import CONFIG_NAME, WEIGHTS_NAME, EagleHead, HeadArchitecture
-from eagle_lab.head_kinds import head_class, load_native_head
+from eagle_lab.drafters.eagle.eagle3 import eagle3_layer_ids
+from eagle_lab.drafters.eagle.head import CONFIG_NAME, WEIGHTS_NAME, EagleHead, HeadArchitecture
+from eagle_lab.drafters.eagle.kinds import head_class, load_native_head
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ An import keeps each head's own projection when it differs from the target's (Me
 train it), and shares the target's when they are equal. Heads with more than one residual
 block per head are refused: eagle_lab's heads have one.
 
-  python -m eagle_lab.medusa_layout export head_path=DIR out=DIR [target=smollm2_135m | a model directory]
-  python -m eagle_lab.medusa_layout import head_path=DIR out=DIR [target=...]
+  python -m eagle_lab.drafters.medusa.layout export head_path=DIR out=DIR [target=smollm2_135m | a model directory]
+  python -m eagle_lab.drafters.medusa.layout import head_path=DIR out=DIR [target=...]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle_lab.errors import EagleLabError
-from eagle_lab.medusa import MedusaArch, MedusaHeads, load_medusa, save_medusa
+from eagle_lab.drafters.medusa.heads import MedusaArch, MedusaHeads, load_medusa, save_medusa
 
 CONFIG, WEIGHTS, WEIGHTS_PT = "config.json", "medusa_lm_head.safetensors", "medusa_lm_head.pt"
 
@@ -36,7 +36,7 @@ def is_medusa_layout(directory: str | Path) -> bool:
 
 
 def load_any_medusa(directory: str | Path, target) -> MedusaHeads:
-    """Heads in either layout: the Medusa project's, or eagle_lab's (eagle_lab.medusa.load_medusa)."""
+    """Heads in either layout: the Medusa project's, or eagle_lab's (eagle_lab.drafters.medusa.heads.load_medusa)."""
     return import_medusa_layout(directory, target) if is_medusa_layout(directory) else load_medusa(directory, target)
 
 
@@ -93,9 +93,9 @@ def import_medusa_layout(directory: str | Path, target) -> MedusaHeads:
 
 
 def main(argv: list[str]) -> int:
-    from eagle_lab.target import TargetConfig, load_target
+    from eagle_lab.models.target import TargetConfig, load_target
 
-    usage = "usage: python -m eagle_lab.medusa_layout export|import head_path=DIR out=DIR [target=smollm2_135m]"
+    usage = "usage: python -m eagle_lab.drafters.medusa.layout export|import head_path=DIR out=DIR [target=smollm2_135m]"
     args = dict(arg.split("=", 1) for arg in argv[1:] if "=" in arg)
     if not argv or argv[0] not in ("export", "import") or not {"head_path", "out"} <= set(args):
         print(usage, file=sys.stderr)

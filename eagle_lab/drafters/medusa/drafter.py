@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from eagle_lab.draft import Candidates, TreeShape, grow_dynamic_tree
-from eagle_lab.head import draft_lm_head_weight
+from eagle_lab.drafters.growth import Candidates, TreeShape, grow_dynamic_tree
+from eagle_lab.drafters.eagle.head import draft_lm_head_weight
 from eagle_lab.errors import EagleLabError
-from eagle_lab.medusa import MedusaHeads
-from eagle_lab.target import Target
-from eagle_lab.tree import DraftTree, root_only_tree
+from eagle_lab.drafters.medusa.heads import MedusaHeads
+from eagle_lab.models.target import Target
+from eagle_lab.decoding.tree import DraftTree, root_only_tree
 
 
 class MedusaDrafter:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eagle_lab.head import MLP, Attention, EagleHead, HeadArchitecture, RMSNorm
+from eagle_lab.drafters.eagle.head import MLP, Attention, EagleHead, HeadArchitecture, RMSNorm
 
 
 class Eagle3Layer(nn.Module):

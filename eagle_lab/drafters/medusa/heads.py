@@ -71,7 +71,7 @@ def save_medusa(heads: MedusaHeads, directory: str | Path) -> Path:
 
 def load_medusa(directory: str | Path, target) -> MedusaHeads:
     """eagle_lab's layout (config.json kind medusa + model.safetensors); the Medusa project's is read by
-    eagle_lab.medusa_layout.load_any_medusa."""
+    eagle_lab.drafters.medusa.layout.load_any_medusa."""
     directory = Path(directory).expanduser()
     try:
         arch = MedusaArch(**json.loads((directory / CONFIG_NAME).read_text()))

@@ -20,16 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_lab.target import additive_mask
+from eagle_lab.models.target import additive_mask
 from eagle_lab.decoding.compiled import call_known_graph, raise_recompile_limits
 from eagle_lab.decoding.graph_store import GraphStore
-from eagle_lab.head import EagleHead, HeadKVCache
+from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache
 
 log = logging.getLogger(__name__)
 ROW_BUCKETS = (4, 16)  # rows per compiled head step; more rows (a prompt's first commit) run 16 at a time
 GRAPH_TOP_K = 8  # a compiled step returns at least this many top-k drafts, sliced to what was asked: one graph
 # serves every top-k up to it (tree=auto times top-k 1..8), where a graph per k would multiply the builds
-STEP_SOURCES = ("decoding/head_step.py", "head.py", "eagle3.py")  # what the head step's packages are built from
+STEP_SOURCES = ("drafters/eagle/head_step.py", "drafters/eagle/head.py", "drafters/eagle/eagle3.py")  # what the head step's packages are built from
 
 
 class HeadStep(nn.Module):

@@ -14,7 +14,7 @@ holds. The layers-only layout keeps the rest:
 (checked to have the shape the draft was trained on). A full Hugging Face directory (what the
 trainer exports, and any other draft model) loads as any causal LM does.
 
-  python -m eagle_lab.draft_lm_store head_path=runs/NAME/head out=DIR [target=smollm2_135m]
+  python -m eagle_lab.drafters.draft_model.store head_path=runs/NAME/head out=DIR [target=smollm2_135m]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle_lab.errors import EagleLabError
-from eagle_lab.target import Target
+from eagle_lab.models.target import Target
 
 MARKER, LAYERS, VOCAB = "draft_lm.json", "layers.safetensors", "draft_vocab.safetensors"
 SHARED = ("embed_tokens", "lm_head")  # parameter-name fragments of what comes from the target
@@ -98,7 +98,7 @@ def load_layers_only(directory: str | Path, target: Target, name: str = "draft_l
 def main(argv: list[str]) -> int:
     args = dict(arg.split("=", 1) for arg in argv if "=" in arg)
     if not {"head_path", "out"} <= set(args):
-        print("usage: python -m eagle_lab.draft_lm_store head_path=DIR out=DIR [target=smollm2_135m]", file=sys.stderr)
+        print("usage: python -m eagle_lab.drafters.draft_model.store head_path=DIR out=DIR [target=smollm2_135m]", file=sys.stderr)
         return 2
     source = Path(args["head_path"]).expanduser()
     if not (source / "config.json").is_file():
