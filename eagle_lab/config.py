@@ -79,6 +79,8 @@ class BenchConfig:
     gguf_target: str = ""
     llama_cpp_draft: int = 3
     llama_cpp_args: list[str] = field(default_factory=list)  # appended to every llama.cpp command, e.g. [--no-repack]
+    # heads a method names after '/' (eagle/NAME@tree) besides the packaged eagle2 / eagle3: NAME -> directory
+    heads: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

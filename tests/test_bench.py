@@ -209,6 +209,40 @@ def test_methods_with_tree_presets_run_side_by_side(tmp_path):
     assert "| 0.0 | eagle@cpu |" in table and "| 0.0 | eagle@cpu | " in table.split("Acceptance rate by tree depth")[1]
 
 
+def test_methods_name_their_heads_and_run_side_by_side(tmp_path):
+    """eagle/NAME: an EAGLE-2 and an EAGLE-3 head in one run, each drafting with its own head, one baseline."""
+    from eagle_lab.drafters.eagle.head import save_head
+    from eagle_lab.drafters.eagle.kinds import new_head
+
+    target = load_target(TargetConfig(name="tiny_llama", source="tiny", device="cpu"))
+    dirs = {kind: str(save_head(new_head(target, kind=kind, seed=1), tmp_path / kind)) for kind in ("eagle2", "eagle3")}
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]) + "\n", encoding="utf-8")
+    cfg = ServeConfig(compile="false",
+        target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
+        head=HeadConfig(path="random"),
+        tree=TreeConfig(auto=False, depth=2, topk=2, total_tokens=3),
+        bench=BenchConfig(dataset=str(prompts_file), limit=0, temperatures=[0.0], warmup=0,
+                          methods=["vanilla", "eagle/two", "eagle/three@cpu"],
+                          heads={"two": dirs["eagle2"], "three": dirs["eagle3"]}),
+        mode="bench", max_new_tokens=8, ignore_eos=True,
+    )
+    results = run_bench(cfg, out_dir=tmp_path / "run")
+    assert results["config"]["method_heads"] == {"eagle/two": dirs["eagle2"], "eagle/three@cpu": dirs["eagle3"]}
+    assert results["config"]["trees"]["eagle/three@cpu"] == {"depth": 4, "topk": 4, "total_tokens": 12}
+    greedy = results["summary"]["0.0"]
+    assert all(greedy[m]["greedy_mismatches"] == 0 for m in cfg.bench.methods)
+
+
+@pytest.mark.parametrize("method, message", [("eagle/nope", "no head named 'nope'"),
+                                             ("vanilla/eagle3", "only eagle, eagle\\+ngram take a head")])
+def test_bad_method_heads_are_refused(tmp_path, method, message):
+    cfg = ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
+                      bench=BenchConfig(dataset="mt_bench", methods=["vanilla", method]))
+    with pytest.raises(EagleLabError, match=message):
+        run_bench(cfg, out_dir=tmp_path)
+
+
 @pytest.mark.parametrize("method, message", [("eagle@nope", "unknown tree preset 'nope'.*cpu"),
                                              ("vanilla@cpu", "only eagle, eagle\\+ngram take a tree")])
 def test_bad_tree_presets_are_refused(tmp_path, method, message):

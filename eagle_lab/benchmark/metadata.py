@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import transformers
 
-from eagle_lab.benchmark.methods import PROMPT_LOOKUP_TOKENS, split_method, tree_label
+from eagle_lab.benchmark.methods import PROMPT_LOOKUP_TOKENS, head_config, method_head, split_method, tree_label
 from eagle_lab.benchmark.prompt_sets import Prompt
 from eagle_lab.builders import packaged_head_dir
 from eagle_lab.drafters.card import record_mtbench_tau
@@ -33,7 +33,7 @@ def update_card(cfg: ServeConfig, target: Target, summary: dict[str, dict[str, A
                     "head.path=%s to do so on purpose", packaged_head_dir(target.name, cfg.head.kind) or "DIR")
         return
     head = cfg.head.path
-    eagle = [m for m in cfg.bench.methods if split_method(m)[0] == "eagle"]
+    eagle = [m for m in cfg.bench.methods if split_method(m)[0] == "eagle" and not method_head(m)]
     if cfg.bench.dataset != "mt_bench" or not head or not eagle:
         log.warning("bench.update_card needs bench.dataset=mt_bench, the eagle method and a head directory")
         return
@@ -62,6 +62,9 @@ def config_summary(cfg: ServeConfig, target: Target, num_prompts: int,
         "target_path": cfg.target.path,
         "head": head if eagle else None,
         "head_kind": cfg.head.kind,
+        # methods that named their own head (eagle/NAME): the head each ran
+        "method_heads": {m: head_config(cfg, method_head(m)).path or f"packaged {method_head(m)}"
+                         for m in drafters if method_head(m)},
         "tree": asdict(eagle[0].shape) if eagle else None,  # as used (tree=auto resolved)
         "tree_auto": cfg.tree.auto,
         # every head method's tree as used (methods named method@preset ran that preset)

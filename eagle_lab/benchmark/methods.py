@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from eagle_lab.benchmark.llama_cpp_runs import LLAMA_CPP_METHODS
 from eagle_lab.builders import (build_draft_model_drafter, build_drafter, build_head, build_medusa_drafter,
                                 ngram_proposer)
-from eagle_lab.config import ServeConfig, TreeConfig
+from eagle_lab.config import HeadConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
 from eagle_lab.decoding.tree import Drafter
 from eagle_lab.errors import EagleLabError
@@ -25,20 +26,43 @@ GREEDY_ONLY = ("hf_prompt_lookup",)
 PROMPT_LOOKUP_TOKENS = 10
 
 
+PACKAGED_HEADS = ("eagle2", "eagle3")  # head names a method may give without bench.heads: the target's packaged ones
+
+
 def split_method(method: str) -> tuple[str, str]:
-    """'eagle@auto' -> ('eagle', 'auto'); 'eagle' -> ('eagle', '') (the configured tree=)."""
+    """'eagle/eagle3@auto' -> ('eagle', 'auto'); 'eagle' -> ('eagle', '') (the configured tree=)."""
     base, _, tree = method.partition("@")
-    return base, tree
+    return base.partition("/")[0], tree
+
+
+def method_head(method: str) -> str:
+    """'eagle/eagle3@cpu' -> 'eagle3'; '' = the configured head (head=, head.path=)."""
+    return method.partition("@")[0].partition("/")[2]
+
+
+def head_config(cfg: ServeConfig, name: str) -> HeadConfig:
+    """The head a method names: '' the configured one, eagle2 / eagle3 the target's packaged head of that
+    kind, any other name the directory bench.heads gives it."""
+    if not name:
+        return cfg.head
+    if name in cfg.bench.heads:
+        return replace(cfg.head, path=cfg.bench.heads[name])
+    if name in PACKAGED_HEADS:
+        return replace(cfg.head, kind=name, path="")
+    raise EagleLabError(f"bench: no head named '{name}' (the packaged {' / '.join(PACKAGED_HEADS)}, or "
+                        f"+bench.heads.{name}=DIR)")
 
 def build_drafters(cfg: ServeConfig, target: Target, backend: Backend | None = None) -> dict[str, Drafter]:
-    """One drafter per speculative method requested; every head method shares one head
+    """One drafter per speculative method requested; head methods naming the same head share it
     (under tree=auto each is calibrated, and cached, on its own)."""
     methods = cfg.bench.methods
-    head = build_head(cfg.head, target) if any(split_method(m)[0] in HEAD_METHODS for m in methods) else None
+    heads = {name: build_head(head_config(cfg, name), target)
+             for name in dict.fromkeys(method_head(m) for m in methods if split_method(m)[0] in HEAD_METHODS)}
     drafters: dict[str, Drafter] = {}
     for method in methods:
         base, preset = split_method(method)
         tree = tree_preset(preset) if preset else cfg.tree
+        head = heads.get(method_head(method))
         if base == "eagle":
             drafters[method] = build_drafter(head, target, tree, backend=backend, temperatures=cfg.bench.temperatures)
         elif base == "eagle+ngram":
@@ -68,6 +92,10 @@ def validate_bench(cfg: ServeConfig) -> None:
         base, preset = split_method(method)
         if "@" in method and base not in HEAD_METHODS:
             raise EagleLabError(f"bench method '{method}': only {', '.join(HEAD_METHODS)} take a tree after '@'")
+        if "/" in method.partition("@")[0]:
+            if base not in HEAD_METHODS:
+                raise EagleLabError(f"bench method '{method}': only {', '.join(HEAD_METHODS)} take a head after '/'")
+            head_config(cfg, method_head(method))  # raises EagleLabError on an unknown name
         if preset:
             tree_preset(preset)  # raises EagleLabError naming the presets
     if len(set(bench.methods)) != len(bench.methods):
