@@ -37,7 +37,7 @@ CPU_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "
 CHOICE_FILE = "compile_choice.json"
 EAGER_MARGIN = 0.9  # compile=auto keeps a shape eager only when eager timed at least 10% faster
 # what the target step's packages are built from
-STEP_SOURCES = ("decoding/compiled.py", "models/packed_linear.py", "models/quantized.py")
+STEP_SOURCES = ("decoding/compiled.py", "models/packed_linear.py", "models/quantized.py", "models/attention.py")
 
 
 def inductor_cache_dir() -> str:

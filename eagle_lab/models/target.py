@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from eagle_lab.models.attention import use_native_gqa
 from eagle_lab.models.device import resolve_device, resolve_dtype
 from eagle_lab.models.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
@@ -186,6 +187,8 @@ def load_target(cfg: TargetConfig) -> Target:
             raise EagleLabError(f"target '{cfg.name}' has source=pretrained but no target.path")
         model, tokenizer = _load_pretrained(path, dtype, cfg)
     model = model.to(device=device, dtype=dtype)
+    if device.type == "cpu":
+        use_native_gqa(model)  # key/value heads read in place, not copied per query head
     replaced = quantize_decoder(model, cfg.weights)
     if replaced:
         log.info("target weights: %d decoder linear layers in %s (embeddings and LM head as loaded)", replaced,
