@@ -59,6 +59,16 @@ def test_tree_auto_calibrations_of_a_bf16_and_an_fp32_head_are_kept_apart(tiny_l
     assert fp32 != bf16
 
 
+def test_tree_auto_calibrations_are_taken_again_when_the_round_code_changes(tiny_llama, monkeypatch):
+    import eagle_lab.tree_search.auto as auto
+
+    drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(2, 2, 3))
+    before = calibration_fingerprint(tiny_llama, drafter, TreeSearchConfig())
+    assert before == calibration_fingerprint(tiny_llama, drafter, TreeSearchConfig())
+    monkeypatch.setattr(auto, "source_digest", lambda sources: "an edited round")
+    assert calibration_fingerprint(tiny_llama, drafter, TreeSearchConfig()) != before
+
+
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])
 @pytest.mark.parametrize("static", [False, True])
 def test_a_bf16_head_keeps_greedy_output_exact(tiny_llama, static, kind):

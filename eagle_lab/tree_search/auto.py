@@ -47,7 +47,10 @@ from pathlib import Path
 
 import torch
 
+from eagle_lab.decoding.compiled import STEP_SOURCES as TARGET_STEP_SOURCES
+from eagle_lab.decoding.graph_store import source_digest
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.eagle.head_step import STEP_SOURCES as HEAD_STEP_SOURCES
 from eagle_lab.drafters.growth import TreeChoice, TreeShape
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.drafters.ngram import NgramProposer
@@ -61,6 +64,10 @@ from eagle_lab.tree_search.replay import ngram_lengths, record, replay_all
 from eagle_lab.tree_search.validate import VALIDATE_TOP, is_plain, measured_best, untimed, validate
 
 log = logging.getLogger(__name__)
+# what a timed round runs besides the models: the steps (their packages' sources), the loop, the drafter
+ROUND_CODE = (*TARGET_STEP_SOURCES, *HEAD_STEP_SOURCES, "decoding/round.py", "decoding/generate.py",
+              "decoding/verify.py", "decoding/backend.py", "decoding/scoring.py", "drafters/eagle/drafter.py",
+              "drafters/growth.py", "drafters/ngram.py")
 CALIBRATION_PROMPTS = (
     "Explain how a hash table works, with an example in Python.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -120,12 +127,14 @@ def choose(shapes: list[dict], costs: CostModel, fixed: TreeShape,
 
 def calibration_fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig,
                             ngram: NgramProposer | None = None, backend=None) -> str:
-    """A digest of what tree=auto's timings depend on: target, head, device, dtype, threads, backend."""
+    """A digest of what tree=auto's timings depend on: target, head, device, dtype, threads, backend, and the
+    code that runs a round (a change there may move its costs, so it is timed again, not reused)."""
     head = drafter.head
     weights = float(sum(p.detach().float().abs().sum() for p in head.parameters()))
     fields = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
               "threads": torch.get_num_threads(),  # every cost scales with them
-              "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search)}
+              "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search),
+              "code": source_digest(ROUND_CODE)}
     if backend is not None and getattr(backend, "name", "eager") != "eager":  # costs differ per backend
         fields["backend"] = {"name": backend.name, "buckets": list(getattr(backend, "buckets", [])),
                              "target_costs": "per bucket",
