@@ -38,40 +38,48 @@ def trees_on_rows(target: Target, drafter: EagleDrafter, rows: StaticRows, max_b
     """batch size 2..max_batch -> the batch-1 tree or plain decoding, whichever decoded faster."""
     if max_batch < 2:
         return {}
-    own = BatchTree(drafter.shape, drafter.ngram.max_tokens if drafter.ngram is not None else None)
+    own = _drafter_tree(drafter)
     sizes = sorted({b for b in PROBE_BATCHES if b < max_batch} | {max_batch})
     path = _choice_path(target, drafter, rows, own, sizes, new_tokens, min_gain)
     if path.is_file():
-        cached = {int(b): name for b, name in json.loads(path.read_text()).items()}
+        names = {int(b): name for b, name in json.loads(path.read_text()).items()}
         log.info("tree per batch size (compiled, cached in %s): %s", path,
-                 ", ".join(f"batch {b}: {name}" for b, name in sorted(cached.items())))
-        chosen = {b: own if name == "tree" else PLAIN for b, name in cached.items()}
-        return {batch: chosen[next(b for b in sizes if b >= batch)] for batch in range(2, max_batch + 1)}
-    chosen, names = {}, {}
-    for batch in sizes:
-        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-        speed, tau = {}, {}
-        for name, tree in (("tree", own), ("plain", PLAIN)):
-            timed_batch_decoding(target, drafter, batch_prompts, tree, 4, rows)  # warm-up: compiles its graphs
-            timing = timed_batch_decoding(target, drafter, batch_prompts, tree, new_tokens, rows)
-            speed[name] = timing["tokens"] / max(timing["seconds"], 1e-9)
-            tau[name] = timing["tokens"] / max(timing["rounds"] * batch, 1)
-        best = "tree" if speed["tree"] >= min_gain * speed["plain"] else "plain"
-        log.info("tree per batch size (compiled): batch %d: tree %.1f tok/s (tau %.2f), plain %.1f tok/s; chose %s",
-                 batch, speed["tree"], tau["tree"], speed["plain"], best)
-        chosen[batch], names[batch] = (own if best == "tree" else PLAIN), best
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(names, indent=1))
-    return {batch: chosen[next(b for b in sizes if b >= batch)] for batch in range(2, max_batch + 1)}
+                 ", ".join(f"batch {b}: {name}" for b, name in sorted(names.items())))
+    else:
+        names = {batch: _timed_choice(target, drafter, rows, own, batch, prompts, new_tokens, min_gain)
+                 for batch in sizes}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(names, indent=1))
+    return {batch: own if names[next(b for b in sizes if b >= batch)] == "tree" else PLAIN
+            for batch in range(2, max_batch + 1)}
+
+
+def _timed_choice(target: Target, drafter: EagleDrafter, rows: StaticRows, own: BatchTree, batch: int,
+                  prompts: list[list[int]], new_tokens: int, min_gain: float) -> str:
+    """'tree' or 'plain': which decoded `batch` calibration prompts together faster on `rows`."""
+    batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+    speed, tau = {}, {}
+    for name, tree in (("tree", own), ("plain", PLAIN)):
+        timed_batch_decoding(target, drafter, batch_prompts, tree, 4, rows)  # warm-up: compiles its graphs
+        timing = timed_batch_decoding(target, drafter, batch_prompts, tree, new_tokens, rows)
+        speed[name] = timing["tokens"] / max(timing["seconds"], 1e-9)
+        tau[name] = timing["tokens"] / max(timing["rounds"] * batch, 1)
+    best = "tree" if speed["tree"] >= min_gain * speed["plain"] else "plain"
+    log.info("tree per batch size (compiled): batch %d: tree %.1f tok/s (tau %.2f), plain %.1f tok/s; chose %s",
+             batch, speed["tree"], tau["tree"], speed["plain"], best)
+    return best
+
+
+def _drafter_tree(drafter: EagleDrafter) -> BatchTree:
+    """The drafter's own tree (its shape and n-gram chain) as a batch's tree."""
+    return BatchTree(drafter.shape, drafter.ngram.max_tokens if drafter.ngram is not None else None)
 
 
 def build_row_graphs(target: Target, drafter: EagleDrafter | None, rows: StaticRows, prompt: list[int]) -> None:
-    # drafter None: a plain-decoding server
     """Before a server listens: run every row count's plain step and its tree's step once on `rows`, so that
     each compiles (or loads) for every attended length now (the backend's compile_ahead) and no request
-    waits for a compile. Graphs already on disk load in milliseconds."""
-    trees = [PLAIN] if drafter is None else [PLAIN, BatchTree(drafter.shape, drafter.ngram.max_tokens
-                                                              if drafter.ngram is not None else None)]
+    waits for a compile. Graphs already on disk load in milliseconds. drafter None: a plain-decoding server."""
+    trees = [PLAIN] if drafter is None else [PLAIN, _drafter_tree(drafter)]
     counts = rows.buckets
     prompt = prompt[:max(1, rows.context // 2)]  # room for the steps' tokens
     for index, count in enumerate(counts, 1):

@@ -128,12 +128,11 @@ class HeadStepRunner:
         dtype = self.module.head.dtype  # head.draft_dtype: target features are cast to it
         features = features.to(dtype)
         mask = additive_mask(allowed, dtype)  # [padded, width]
+        step_k = max(k, GRAPH_TOP_K) if bucket else k
         args = (cache.key_buffer[:, :, :width], cache.value_buffer[:, :, :width],
                 _pad(tokens, padded)[None], _pad(features, padded)[None], _pad(positions, padded)[None], slots,
-                mask[None, None], k, from_draft, last_only and not bucket)
-        if bucket:
-            args = (*args[:7], max(k, GRAPH_TOP_K), *args[8:])
-        key = (padded, width, args[7], from_draft, args[0].stride()) if bucket else None  # the cache's strides too
+                mask[None, None], step_k, from_draft, last_only and not bucket)
+        key = (padded, width, step_k, from_draft, args[0].stride()) if bucket else None  # the cache's strides too
         hidden, top_logp, top_ids = self._run(args, key)
         cache.length = start + rows
         return hidden[0, :rows], top_logp[:rows, :k], top_ids[:rows, :k]
