@@ -27,6 +27,7 @@ from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.eagle.layouts import load_head
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.stable_linear import convert_module_linears
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.tree_search.auto import auto_tree
 
@@ -53,9 +54,16 @@ def packaged_drafter_dir(target_name: str, kind: str) -> Path | None:
 
 
 def build_head(cfg: HeadConfig, target: Target) -> EagleHead:
-    """The head to draft with, in head.draft_dtype."""
+    """The head to draft with, in head.draft_dtype. Beside a target on the row-stable CPU kernel the head's linear
+    layers use it too, storing head.draft_dtype's weights (bf16 unless float32 is asked for) and computing in
+    float32: a draft level then reads half the bytes without bf16 activations."""
     dtype = drafting_dtype(cfg.draft_dtype, target.dtype, target.device)
     head = _load_or_new_head(cfg, target)
+    if target.linear_kernel == "stable":
+        storage = "f32" if cfg.draft_dtype in ("float32", "fp32") else "bf16"
+        convert_module_linears(head.float(), storage, keep_weight=True)
+        log.info("the head drafts with %s weights through the row-stable kernel", storage)
+        return head
     if head.dtype != dtype:
         log.info("the head drafts in %s", str(dtype).removeprefix("torch."))
     return head.to(dtype)

@@ -19,6 +19,9 @@ from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.models.prompts import as_tensor, encode_prompt
+from eagle_lab.models.stable_linear import StableLinear
+from eagle_lab.models.target import Target
+from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
@@ -45,10 +48,15 @@ def test_auto_drafts_in_bf16_only_beside_an_fp32_target_on_a_native_bf16_cpu(mon
         device.drafting_dtype("int8", torch.float32, CPU)
 
 
-def test_build_head_casts_to_the_drafting_dtype(tiny_llama):
-    for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
-        head = build_head(HeadConfig(path="random", draft_dtype=name), tiny_llama)
+def test_build_head_casts_to_the_drafting_dtype_or_stores_it_on_the_stable_kernel(tiny_llama):
+    for name, dtype, storage in (("bfloat16", torch.bfloat16, "bf16"), ("float32", torch.float32, "f32")):
+        torch_layers = Target(build_tiny_model(TinyModelConfig()), tiny_llama.tokenizer, "tiny_llama")
+        head = build_head(HeadConfig(path="random", draft_dtype=name), torch_layers)
         assert all(p.dtype == dtype for p in head.parameters())
+        head = build_head(HeadConfig(path="random", draft_dtype=name), tiny_llama)  # on the stable kernel
+        linears = [m for m in head.modules() if isinstance(m, StableLinear)]
+        assert linears and all(m.storage == storage for m in linears)
+        assert all(p.dtype == torch.float32 for p in head.parameters())  # activations stay float32
 
 
 def test_tree_auto_calibrations_of_a_bf16_and_an_fp32_head_are_kept_apart(tiny_llama):

@@ -21,6 +21,8 @@ from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, v
 from eagle_lab.drafters.eagle.layouts import load_head
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.target import TargetConfig, load_target
+from eagle_lab.models.tiny import TinyModelConfig
+from tests.conftest import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -223,9 +225,12 @@ def test_eagle3_smoke_trains_end_to_end(tmp_path):
     assert any("eval_acc_3" in e for e in evals)
 
 
-def test_head_layer_can_start_from_the_targets_last_layer(tiny_target):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_head_layer_can_start_from_the_targets_last_layer(family):
     from eagle_lab.drafters.eagle.kinds import new_head
 
+    tiny_target = load_target(TargetConfig(name=f"tiny_{family}", source="tiny", tiny=TinyModelConfig(family=family),
+                                           device="cpu"), trainable_layers=True)  # as the trainer loads it
     head = new_head(tiny_target, layer_from_target=True)
     last = tiny_target.backbone.layers[-1]
     gain = last.input_layernorm.weight

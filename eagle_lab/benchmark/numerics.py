@@ -1,5 +1,5 @@
 """How far a target's logits move with the number of rows a forward carries:
-python -m eagle_lab.benchmark.numerics [dtype=float32|bfloat16] [weights=fp32|int8|int4] [tokens=32] [prompts=4]
+python -m eagle_lab.benchmark.numerics [dtype=float32|bfloat16] [weights=auto|fp32|bf16|int8|int4] [tokens=32] [prompts=4]
     [extra=3,15]
 
 A speculative round scores a position inside a tree of N tokens; plain decoding scores it alone.
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
     args = key_values("numerics", argv, ("dtype", "weights", "tokens", "prompts", "extra"))
     try:
         target = load_target(TargetConfig(device="cpu", dtype=args.get("dtype", "float32"),
-                                          weights=args.get("weights", "fp32")))
+                                          weights=args.get("weights", "auto")))
         tokens, count = int(args.get("tokens", 32)), int(args.get("prompts", 4))
         extra = tuple(int(k) for k in args.get("extra", "3,15").split(","))
     except (EagleLabError, ValueError) as err:

@@ -47,9 +47,6 @@ class DecodingConfig:
     frozen_weights: on CPU, compile the target step with its weights frozen and prepacked into each graph
     (graph_store.py): faster where inductor's C++ GEMM template beats MKL at a few rows, at the cost of
     the weights' size on disk per graph and minutes of autotuning per graph.
-    packed_weights: on CPU in float32, forwards over a bucket's tokens multiply by weights prepacked for that
-    many rows (eagle_lab/models/packed_linear.py): a 4-token forward then costs about 1.2x a 1-token one instead of
-    1.75x, for one copy of the linear weights per bucket above 1 in memory.
     compile_min_tokens: compile=auto builds missing graphs only when the run will decode at least this many
     tokens (prompts x max_new_tokens; the bench and the server always qualify); a shorter run uses the graphs
     already built on this machine (`python -m eagle_lab.compile`) and runs the other shapes eagerly."""
@@ -60,7 +57,6 @@ class DecodingConfig:
     cache_capacity: int = 2048
     compile_min_tokens: int = 2048
     frozen_weights: bool = False
-    packed_weights: bool = True
 
 
 class Backend(Protocol):
@@ -89,8 +85,7 @@ class StaticBackend:
 
     def __init__(self, target: Target, buckets: list[int], cache_block: int = 512, compiled: bool = False,
                  per_shape: bool = False, min_attended_length: int = 256, compile_ahead: bool = False,
-                 build: bool = True, cache_capacity: int = 0, frozen_weights: bool = False,
-                 packed_weights: bool = False):
+                 build: bool = True, cache_capacity: int = 0, frozen_weights: bool = False):
         """per_shape: compile=auto's choice, made again for every step shape (compiled.StepCompiler).
         min_attended_length: see DecodingConfig. compile_ahead: a step shape's first step compiles it for
         every attended length of its cache (a bench: no compile may fall inside a timed run); otherwise each
@@ -114,8 +109,6 @@ class StaticBackend:
         self._caches: dict[int, StaticKVCache] = {}
         # every sequence gets at least this much cache (reserve() raises it), so one graph serves all
         self.min_capacity = self._round_capacity(cache_capacity) if cache_capacity else 0
-        if packed_weights and not frozen_weights:
-            target.pack_linears(self.buckets)
         self._steps = StepCompiler(target, compiled, per_shape, build=build, store=GraphStore(frozen=frozen_weights))
         self.packages = self._steps.packages  # compiled graphs kept on disk (CPU)
         self._every_length_compiled: set[tuple] = set()  # (cache capacity and strides, rows, tokens, layer_ids)
@@ -269,8 +262,7 @@ def build_backend(target: Target, compile: str, cfg: DecodingConfig, planned_tok
             return EagerBackend(target)
     compiled = StaticBackend(target, cfg.buckets, cfg.cache_block, compiled=True, per_shape=choice == "auto",
                              min_attended_length=cfg.min_attended_length, compile_ahead=compile_ahead,
-                             build=not short, cache_capacity=cfg.cache_capacity, frozen_weights=cfg.frozen_weights,
-                             packed_weights=cfg.packed_weights)
+                             build=not short, cache_capacity=cfg.cache_capacity, frozen_weights=cfg.frozen_weights)
     if longest_prompt:
         compiled.reserve(longest_prompt, max_new_tokens)
     if choice == "true":

@@ -28,7 +28,8 @@ from torch import nn
 
 from transformers import StaticCache
 
-from eagle_lab.decoding.graph_store import GraphStore, cpu_features
+from eagle_lab.decoding.graph_store import GraphStore
+from eagle_lab.models.device import cpu_features
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.target import Target
 
@@ -37,7 +38,8 @@ CPU_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "
 CHOICE_FILE = "compile_choice.json"
 EAGER_MARGIN = 0.9  # compile=auto keeps a shape eager only when eager timed at least 10% faster
 # what the target step's packages are built from
-STEP_SOURCES = ("decoding/compiled.py", "models/packed_linear.py", "models/quantized.py", "models/attention.py")
+STEP_SOURCES = ("decoding/compiled.py", "models/stable_linear.py", "models/kernels/stable_linear.cpp",
+                "models/attention.py")
 
 
 def inductor_cache_dir() -> str:
@@ -194,7 +196,7 @@ class StepCompiler:
 
     def _constants(self, layer_ids: tuple[int, ...]) -> dict:
         return {"layers": layer_ids, "model": self.target.config.to_json_string(use_diff=False),
-                "packed_rows": sorted(self.target.packed_rows)}
+                "weights": self.target.weights, "linear_kernel": self.target.linear_kernel}
 
     def _package_key(self, flat: _FlatStep, args: tuple) -> str:
         """The store's key of the package that runs `flat` on `args` (the step's tensors, the cache's included)."""

@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from eagle_lab.models.device import cpu_features
 from eagle_lab.models.embedded import cache_root
 
 log = logging.getLogger(__name__)
@@ -48,26 +48,6 @@ STORE_DIR = "compiled"
 PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False}
 # frozen: weights prepacked into the package for the C++ GEMM template, each GEMM autotuned
 FROZEN_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
-_CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16",
-              "amx_int8", "fma", "f16c")
-
-
-def cpu_features() -> str:
-    """The instruction sets generated code may use here (inductor compiles for the host's ISA)."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    present = [flag for flag in _CPU_FLAGS if flag in flags]
-    capability = torch.backends.cpu.get_cpu_capability()
-    return f"{platform.machine()}:{capability}:{'+'.join(present)}"
-
-
 def source_digest(sources: tuple[str, ...]) -> str:
     """eagle_lab's code that defines an exported step (paths under eagle_lab/) and this module: a change there
     invalidates that step's packages, and only those."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import torch
 
 from eagle_lab.errors import EagleLabError
@@ -67,3 +69,26 @@ def training_dtype(choice: str, target) -> str:
         return target.dtype
     native = resolve_device(target.device).type == "cuda" or cpu_has_bf16()
     return "bfloat16" if native else "auto"
+
+
+_CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16",
+              "amx_int8", "fma", "f16c")
+
+
+def cpu_flags() -> frozenset[str]:
+    """Every instruction-set flag /proc/cpuinfo lists (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_features() -> str:
+    """The instruction sets generated code may use here (inductor compiles for the host's ISA)."""
+    present = [flag for flag in _CPU_FLAGS if flag in cpu_flags()]
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{platform.machine()}:{capability}:{'+'.join(present)}"

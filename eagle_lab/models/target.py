@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,8 +20,7 @@ from eagle_lab.models.device import resolve_device, resolve_dtype
 from eagle_lab.models.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.model_shape import ModelShape
-from eagle_lab.models.packed_linear import available, pack_linears
-from eagle_lab.models.quantized import quantize_decoder
+from eagle_lab.models.stable_linear import convert_linears
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,8 +38,9 @@ class TargetConfig:
     max_context: int = 0  # 0: the model's max_position_embeddings
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
-    # the decoder's linear weights: fp32 (as loaded) | int8 | int4 (groups of 32, GGUF Q4_1's layout); CPU only
-    weights: str = "fp32"
+    # the linear weights on CPU (eagle_lab/models/stable_linear.py): fp32 | bf16 | int8 (GGUF Q8_0) | int4 (GGUF
+    # Q4_1, LM head Q8_0) | auto: the precision the weights ship in (int4 for the embedded GGUF, else fp32)
+    weights: str = "auto"
 
 
 @dataclass
@@ -55,7 +54,8 @@ class Target(ModelShape):
 
     def __init__(self, model, tokenizer, name: str, max_context: int = 0, weights: str = "fp32"):
         self.model = model.eval().requires_grad_(False)
-        self.weights = weights  # the decoder's linear weights (eagle_lab.models.quantized)
+        self.weights = weights  # how the linear weights are stored (eagle_lab.models.stable_linear)
+        self.linear_kernel = "torch"  # or "stable": eagle_lab's row-stable CPU kernel
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
@@ -66,25 +66,6 @@ class Target(ModelShape):
         self.max_context = min(max_context, model_limit) if max_context > 0 else model_limit
         params = inspect.signature(self.backbone.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.packed_rows: frozenset[int] = frozenset()  # row counts whose GEMMs use prepacked weights
-
-    def pack_linears(self, rows: list[int]) -> int:
-        """Forwards over any of `rows` tokens multiply by weights prepacked for that many rows (CPU, float32;
-        eagle_lab/models/packed_linear.py); returns how many linear layers were wrapped, 0 where packing is unavailable."""
-        if not available(self.device, self.dtype):
-            return 0
-        new_rows = {r for r in rows if r > 1} - self.packed_rows
-        pack_bytes = len(new_rows) * sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
-                                         if isinstance(m, torch.nn.Linear))
-        memory = physical_memory()
-        if memory and pack_bytes > memory // 4:
-            log.info("decoding.packed_weights: not packing (%d packs of the linear weights would take %.1f GB, more "
-                     "than a quarter of this machine's memory)", len(new_rows), pack_bytes / 1e9)
-            return 0
-        wrapped = pack_linears(self.model, set(rows))
-        self.lm_head = self.model.get_output_embeddings()
-        self.packed_rows = self.packed_rows | frozenset(r for r in rows if r > 1)
-        return wrapped
 
     @property
     def device(self) -> torch.device:
@@ -150,14 +131,6 @@ class Target(ModelShape):
         return self.lm_head(features).float()
 
 
-def physical_memory() -> int:
-    """Bytes of RAM on this machine (0 where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean attention mask (True: may attend) as the additive float mask attention takes: 0 where allowed,
     the dtype's lowest value elsewhere; same shape."""
@@ -172,7 +145,9 @@ def tree_attention_mask(tree_mask: torch.Tensor, past_len: int, dtype: torch.dty
     return additive_mask(allowed, dtype).view(1, 1, k, past_len + k)
 
 
-def load_target(cfg: TargetConfig) -> Target:
+def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
+    """trainable_layers: keep torch's own linear layers (their weights readable, autograd through them), for
+    training, which copies target layers into heads and captures features in its own dtype."""
     if cfg.source not in SOURCES:
         raise EagleLabError(f"unknown target source '{cfg.source}' (choose from {', '.join(SOURCES)})")
     device = resolve_device(cfg.device)
@@ -189,17 +164,31 @@ def load_target(cfg: TargetConfig) -> Target:
     model = model.to(device=device, dtype=dtype)
     if device.type == "cpu":
         use_native_gqa(model)  # key/value heads read in place, not copied per query head
-    replaced = quantize_decoder(model, cfg.weights)
+    weights = "fp32" if trainable_layers else shipped_weights(cfg)
+    if trainable_layers and cfg.weights not in ("auto", "fp32"):
+        raise EagleLabError(f"training reads the target's float weights; target.weights={cfg.weights} is for decoding")
+    replaced = 0 if trainable_layers else convert_linears(model, weights)
     if replaced:
-        log.info("target weights: %d decoder linear layers in %s (embeddings and LM head as loaded)", replaced,
-                 cfg.weights)
+        log.info("target weights: %d linear layers in %s through eagle_lab's row-stable CPU kernel", replaced, weights)
     log.info("target %s: %s, %d layers, hidden %d, vocab %d on %s/%s", cfg.name, model.config.model_type,
              model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size, device, dtype)
     if dtype in (torch.bfloat16, torch.float16):
         log.info("target in %s: a position's logits move with the number of tokens its forward scores (the dtype's "
                  "rounding; measure it with python -m eagle_lab.benchmark.numerics dtype=...), so greedy speculative "
                  "output can part from plain decoding's at near-ties; float32 keeps them equal", dtype)
-    return Target(model, tokenizer, cfg.name, cfg.max_context, cfg.weights)
+    target = Target(model, tokenizer, cfg.name, cfg.max_context, weights)
+    target.linear_kernel = "stable" if replaced else "torch"
+    return target
+
+
+def shipped_weights(cfg: TargetConfig) -> str:
+    """target.weights with `auto` resolved: int4 for the embedded target on CPU (its GGUF is Q4_1 with a Q8_0
+    LM head, so int4 holds bitwise the weights fp32 holds, in a quarter of the bytes), else fp32."""
+    if cfg.weights != "auto":
+        return cfg.weights
+    device = resolve_device(cfg.device)
+    on_cpu = device.type == "cpu" and resolve_dtype(cfg.dtype, device) == torch.float32
+    return "int4" if cfg.source == "embedded" and on_cpu else "fp32"
 
 
 def _load_pretrained(path: str, dtype: torch.dtype, cfg: TargetConfig):

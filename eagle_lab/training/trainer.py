@@ -66,7 +66,8 @@ class Recipe:
             raise EagleLabError(f"{self.run_dir} already has checkpoints: pass trainer.resume=true to continue, "
                                 "or name=<new name> for a fresh run")
         torch.manual_seed(cfg.trainer.seed)
-        self.target = load_target(replace(cfg.target, dtype=training_dtype(cfg.trainer.capture_dtype, cfg.target)))
+        self.target = load_target(replace(cfg.target, dtype=training_dtype(cfg.trainer.capture_dtype, cfg.target)),
+                                  trainable_layers=True)
         self.device = self.target.device
         self.rank, self.world = init_distributed(cfg.deepspeed.backend, self.device, cfg.deepspeed.timeout_min)
         self.run_dir.mkdir(parents=True, exist_ok=True)

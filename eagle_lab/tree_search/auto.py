@@ -140,12 +140,12 @@ def calibration_fingerprint(target: Target, drafter: EagleDrafter, search: TreeS
                              "target_costs": "per bucket",
                              "min_attended_length": getattr(backend, "min_attended_length", 0),
                              "head_step": "compiled" if drafter.runner.compiled else "eager"}
-    if getattr(target, "packed_rows", None):  # prepacked GEMMs: other costs per bucket
-        fields["packed_rows"] = sorted(target.packed_rows)
-    if getattr(target, "weights", "fp32") != "fp32":  # quantized weights: other costs, other acceptance
-        fields["target_weights"] = target.weights
+    # how the weights are stored and multiplied: other costs, and (quantized) other acceptance
+    fields["target_weights"] = [getattr(target, "weights", "fp32"), getattr(target, "linear_kernel", "torch")]
     if head.dtype != target.dtype:  # a head drafting in its own dtype costs and accepts differently
         fields["head_dtype"] = str(head.dtype)
+    if getattr(head.fc, "storage", None):  # a head on the row-stable kernel: its weights' storage sets its cost
+        fields["head_storage"] = head.fc.storage
     if ngram is not None:  # only then: summaries cached without n-gram stay valid
         fields["ngram"] = {**asdict(ngram), "lengths": ngram_lengths(ngram), "priced": "timed-ngram-rounds"}
     blob = json.dumps(fields, sort_keys=True, default=str)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle_lab.models.stable_linear import StableLinear
 from eagle_lab.models.target import additive_mask
 from eagle_lab.decoding.compiled import call_known_graph, raise_recompile_limits
 from eagle_lab.decoding.graph_store import GraphStore
@@ -29,7 +30,9 @@ log = logging.getLogger(__name__)
 ROW_BUCKETS = (4, 16)  # rows per compiled head step; more rows (a prompt's first commit) run 16 at a time
 GRAPH_TOP_K = 8  # a compiled step returns at least this many top-k drafts, sliced to what was asked: one graph
 # serves every top-k up to it (tree=auto times top-k 1..8), where a graph per k would multiply the builds
-STEP_SOURCES = ("drafters/eagle/head_step.py", "drafters/eagle/head.py", "drafters/eagle/eagle3.py")  # what the head step's packages are built from
+# what the head step's packages are built from
+STEP_SOURCES = ("drafters/eagle/head_step.py", "drafters/eagle/head.py", "drafters/eagle/eagle3.py",
+                "models/stable_linear.py", "models/kernels/stable_linear.cpp")
 
 
 class HeadStep(nn.Module):
@@ -44,7 +47,14 @@ class HeadStep(nn.Module):
         weight = embed_tokens.weight
         self.rows_are_embedding = (lm_weight.data_ptr() == weight.data_ptr() and lm_weight.shape == weight.shape
                                    and lm_weight.dtype == weight.dtype)
-        if not self.rows_are_embedding:
+        # a head on the row-stable kernel reads the target's LM-head rows through it too, in the same storage
+        storage = getattr(head.fc, "storage", None)
+        self.lm_linear = None
+        if storage is not None and head.reads_target_lm_rows:
+            rows = nn.Linear(lm_weight.shape[1], lm_weight.shape[0], bias=False)
+            rows.weight = nn.Parameter(lm_weight.detach().float(), requires_grad=False)
+            self.lm_linear = StableLinear(rows, storage)  # [Vd, H] in panels
+        elif not self.rows_are_embedding:
             self.register_buffer("lm_rows", lm_weight)  # [Vd, H]
 
     @property
@@ -62,11 +72,12 @@ class HeadStep(nn.Module):
         query, key, value = attention.project(attn_in, cos, sin)  # [1, nH, T, D], [1, kvH, T, D] x2
         keys.index_copy_(2, slots, key)
         values.index_copy_(2, slots, value)
-        out = F.scaled_dot_product_attention(query, attention.expand_kv(keys), attention.expand_kv(values),
-                                             attn_mask=mask)  # [1, nH, T, D]
+        grouped = query.shape[1] != keys.shape[1]  # key/value heads read in place for their query groups
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=grouped)  # [1, nH, T, D]
         hidden = self.head.layer.finish(residual, attention.o_proj(out.transpose(1, 2).reshape(1, rows, -1)))
         scored = hidden[0, -1:] if last_only else hidden[0]  # [T or 1, H]
-        logp = self.head.draft_logits(scored, self.lm_weight).float().log_softmax(-1)  # [T or 1, Vd]
+        logits = self.lm_linear(scored) if self.lm_linear is not None else self.head.draft_logits(scored, self.lm_weight)
+        logp = logits.float().log_softmax(-1)  # [T or 1, Vd]
         top = logp.topk(k, dim=-1)
         return hidden, top.values, top.indices
 

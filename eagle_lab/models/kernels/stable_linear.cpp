@@ -1,0 +1,264 @@
+// y = x @ W.T + bias on CPU, float32 in and out, with every output row computed on its own.
+//
+// Each row's sums run over k in the same order, in the same vector lanes, whatever the number of rows
+// in the call, so a forward over N tokens gives each token bitwise the result of a one-token forward.
+// The weight is read from memory once per call (one pass per 8 rows over each panel, the later ones from cache),
+// so a few-row forward costs little more than one row's: what a draft tree needs on a CPU.
+//
+// Weights live in panels of 16 output columns, k-major, so a panel is one contiguous stream:
+//   f32   [P, K, 16] float32
+//   bf16  [P, K, 16] bfloat16 bits (widened to float32 exactly)
+//   q8_0  [P, K, 16] int8, scales [P, K/32, 16]: w = q * scale (GGUF Q8_0)
+//   q4_1  [P, K/2, 16] uint8 (k = 2j in the low nibble, 2j + 1 in the high), scales and minimums
+//         [P, K/32, 16]: w = q * scale + minimum (GGUF Q4_1)
+// Weights are widened to float32 and every product and sum is float32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+constexpr int64_t LANES = 16;
+constexpr int64_t GROUP = 32;
+constexpr int64_t PREFETCH_BYTES = 4096;  // how far ahead of the panel stream to prefetch
+#ifdef __AVX512F__
+constexpr int64_t MAX_BLOCK_ROWS = 8;  // accumulators in registers: 8 of 32 zmm
+#else
+constexpr int64_t MAX_BLOCK_ROWS = 4;  // 8 of 16 ymm
+#endif
+
+inline f32x16 load_f32(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// 16 bytes -> 16 lanes of 32 bits, zero- or sign-extended (GCC scalarizes __builtin_convertvector here).
+template <bool Signed>
+inline i32x16 widen_bytes(const uint8_t* p) {
+  i32x16 out;
+  __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+#if defined(__AVX512F__)
+  __m512i wide = Signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+  std::memcpy(&out, &wide, sizeof out);
+#else
+  __m256i low = Signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+  __m128i upper = _mm_srli_si128(bytes, 8);
+  __m256i high = Signed ? _mm256_cvtepi8_epi32(upper) : _mm256_cvtepu8_epi32(upper);
+  std::memcpy(&out, &low, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &high, 32);
+#endif
+  return out;
+}
+
+inline void prefetch(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES); }
+
+struct F32Panel {
+  const float* w;
+  int64_t K;
+  template <class Visit>
+  inline void each_k(Visit visit) const {
+    for (int64_t k = 0; k < K; ++k) {
+      prefetch(w + k * LANES);
+      visit(k, load_f32(w + k * LANES));
+    }
+  }
+};
+
+struct BF16Panel {
+  const uint16_t* w;
+  int64_t K;
+  template <class Visit>
+  inline void each_k(Visit visit) const {
+    for (int64_t k = 0; k < K; ++k) {
+      if ((k & 1) == 0) prefetch(w + k * LANES);
+      u16x16 h;
+      std::memcpy(&h, w + k * LANES, sizeof h);
+      u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+      f32x16 v;
+      std::memcpy(&v, &bits, sizeof v);
+      visit(k, v);
+    }
+  }
+};
+
+struct Q8Panel {
+  const int8_t* q;
+  const float* scales;
+  int64_t K;
+  template <class Visit>
+  inline void each_k(Visit visit) const {
+    for (int64_t g = 0; g < K / GROUP; ++g) {
+      const f32x16 scale = load_f32(scales + g * LANES);
+      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
+        if ((k & 3) == 0) prefetch(q + k * LANES);
+        const i32x16 wide = widen_bytes<true>(reinterpret_cast<const uint8_t*>(q + k * LANES));
+        visit(k, __builtin_convertvector(wide, f32x16) * scale);
+      }
+    }
+  }
+};
+
+struct Q4Panel {
+  const uint8_t* nibbles;
+  const float* scales;
+  const float* minimums;
+  int64_t K;
+  template <class Visit>
+  inline void each_k(Visit visit) const {
+    for (int64_t g = 0; g < K / GROUP; ++g) {
+      const f32x16 scale = load_f32(scales + g * LANES), minimum = load_f32(minimums + g * LANES);
+      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 2) {
+        if ((k & 7) == 0) prefetch(nibbles + (k / 2) * LANES);
+        const i32x16 q = widen_bytes<false>(nibbles + (k / 2) * LANES);
+        visit(k, __builtin_convertvector(q & 15, f32x16) * scale + minimum);
+        visit(k + 1, __builtin_convertvector(q >> 4, f32x16) * scale + minimum);
+      }
+    }
+  }
+};
+
+// ROWS rows of x (row stride K) by one panel: out[r, c] for c < cols.
+template <int ROWS, class Panel>
+inline void rows_by_panel(const Panel& panel, const float* x, int64_t K, const float* bias, int64_t cols, float* out,
+                          int64_t out_stride) {
+  f32x16 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = f32x16{};
+  panel.each_k([&](int64_t k, f32x16 w) {
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) acc[r] += w * x[r * K + k];
+  });
+  for (int r = 0; r < ROWS; ++r) {
+    float lanes[LANES];
+    std::memcpy(lanes, &acc[r], sizeof lanes);
+    for (int64_t c = 0; c < cols; ++c) out[r * out_stride + c] = bias ? lanes[c] + bias[c] : lanes[c];
+  }
+}
+
+template <class Panel>
+void all_rows_by_panel(const Panel& panel, const float* x, int64_t M, int64_t K, const float* bias, int64_t cols,
+                       float* out, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += MAX_BLOCK_ROWS) {
+    const float* xs = x + m0 * K;
+    float* o = out + m0 * N;
+    switch (std::min(MAX_BLOCK_ROWS, M - m0)) {
+      case 1: rows_by_panel<1>(panel, xs, K, bias, cols, o, N); break;
+      case 2: rows_by_panel<2>(panel, xs, K, bias, cols, o, N); break;
+      case 3: rows_by_panel<3>(panel, xs, K, bias, cols, o, N); break;
+      case 4: rows_by_panel<4>(panel, xs, K, bias, cols, o, N); break;
+#ifdef __AVX512F__
+      case 5: rows_by_panel<5>(panel, xs, K, bias, cols, o, N); break;
+      case 6: rows_by_panel<6>(panel, xs, K, bias, cols, o, N); break;
+      case 7: rows_by_panel<7>(panel, xs, K, bias, cols, o, N); break;
+      case 8: rows_by_panel<8>(panel, xs, K, bias, cols, o, N); break;
+#endif
+    }
+  }
+}
+
+template <class PanelAt>
+at::Tensor run(const at::Tensor& x, int64_t panels, int64_t K, int64_t N, const std::optional<at::Tensor>& bias,
+               PanelAt panel_at) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K,
+              "stable_linear: x must be a float32 CPU tensor [..., ", K, "]");
+  TORCH_CHECK(panels * LANES >= N && N > panels * LANES - LANES, "stable_linear: ", panels,
+              " panels cannot hold ", N, " output columns");
+  const at::Tensor flat = x.reshape({-1, K}).contiguous();  // [M, K]
+  const int64_t M = flat.size(0);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());  // [M, N]
+  const float* b = nullptr;
+  at::Tensor bias_c;
+  if (bias.has_value()) {
+    bias_c = bias->contiguous();
+    TORCH_CHECK(bias_c.scalar_type() == at::kFloat && bias_c.numel() == N, "stable_linear: bias must be float32 [",
+                N, "]");
+    b = bias_c.data_ptr<float>();
+  }
+  const float* xs = flat.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  if (M > 0) {
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        all_rows_by_panel(panel_at(p), xs, M, K, b ? b + p * LANES : nullptr, std::min(LANES, N - p * LANES),
+                          o + p * LANES, N);
+      }
+    });
+  }
+  return out.view(sizes);
+}
+
+void check_panels(const at::Tensor& t, at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 3 && t.size(2) == LANES && t.scalar_type() == dtype &&
+                  t.is_contiguous(), "stable_linear: ", what, " must be contiguous ", c10::toString(dtype),
+              " [P, *, 16]");
+}
+
+at::Tensor stable_linear(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                         int64_t N) {
+  const int64_t P = panels.size(0), K = panels.size(1);
+  if (panels.scalar_type() == at::kBFloat16) {
+    check_panels(panels, at::kBFloat16, "bf16 panels");
+    const auto* w = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+    return run(x, P, K, N, bias, [&](int64_t p) { return BF16Panel{w + p * K * LANES, K}; });
+  }
+  check_panels(panels, at::kFloat, "panels");
+  const float* w = panels.data_ptr<float>();
+  return run(x, P, K, N, bias, [&](int64_t p) { return F32Panel{w + p * K * LANES, K}; });
+}
+
+void check_groups(const at::Tensor& scales, int64_t P, int64_t K) {
+  check_panels(scales, at::kFloat, "scales and minimums");
+  TORCH_CHECK(K % GROUP == 0 && scales.size(0) == P && scales.size(1) == K / GROUP,
+              "stable_linear: scales must be [P, K/32, 16] with K a multiple of 32");
+}
+
+at::Tensor stable_linear_q8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& bias, int64_t N) {
+  check_panels(q, at::kChar, "q8_0 weights");
+  const int64_t P = q.size(0), K = q.size(1);
+  check_groups(scales, P, K);
+  const int8_t* w = q.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  return run(x, P, K, N, bias, [&](int64_t p) { return Q8Panel{w + p * K * LANES, s + p * (K / GROUP) * LANES, K}; });
+}
+
+at::Tensor stable_linear_q4(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& scales,
+                            const at::Tensor& minimums, const std::optional<at::Tensor>& bias, int64_t N) {
+  check_panels(nibbles, at::kByte, "q4_1 nibbles");
+  const int64_t P = nibbles.size(0), K = nibbles.size(1) * 2;
+  check_groups(scales, P, K);
+  check_groups(minimums, P, K);
+  const uint8_t* w = nibbles.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const float* m = minimums.data_ptr<float>();
+  const int64_t groups = K / GROUP;
+  return run(x, P, K, N, bias, [&](int64_t p) {
+    return Q4Panel{w + p * (K / 2) * LANES, s + p * groups * LANES, m + p * groups * LANES, K};
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(eagle_lab_kernels, m) {
+  m.def("stable_linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.def("stable_linear_q8(Tensor x, Tensor q, Tensor scales, Tensor? bias, int n) -> Tensor");
+  m.def("stable_linear_q4(Tensor x, Tensor nibbles, Tensor scales, Tensor minimums, Tensor? bias, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(eagle_lab_kernels, CPU, m) {
+  m.impl("stable_linear", &stable_linear);
+  m.impl("stable_linear_q8", &stable_linear_q8);
+  m.impl("stable_linear_q4", &stable_linear_q4);
+}

