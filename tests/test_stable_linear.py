@@ -192,3 +192,16 @@ def test_sampling_keeps_the_distribution_at_every_precision(weights):
     assert 0.2 * samples < accepted_any < samples
     expected = exact_sequence_probs(target, prompt, params, length)  # the converted target's own distribution
     assert chi_square_pvalue(counts, expected, samples) > ALPHA
+
+
+@pytest.mark.slow
+def test_the_embedded_targets_int4_gives_bitwise_its_fp32_logits():
+    """SmolLM2's GGUF is Q4_1 + Q8_0: int4 storage holds exactly the fp32 checkpoint's numbers, so the same kernel
+    order gives the same logits, bit for bit (and so the same tokens)."""
+    prompt = torch.tensor([[1, 504, 3458, 314, 260, 1345, 28, 19, 437, 2012]])
+    logits = {}
+    for weights in ("fp32", "int4"):
+        target = load_target(TargetConfig(device="cpu", weights=weights))
+        assert target.weights == weights
+        logits[weights] = target.logits(target.forward(prompt).features)  # [1, 10, V]
+    assert torch.equal(logits["fp32"], logits["int4"])

@@ -1,2 +1,3 @@
 """The models decoding runs: the target (any Hugging Face causal LM, the embedded SmolLM2, tiny random ones for
-tests), its devices and weights (quantized, prepacked), its attention, prompts, and llama.cpp's converter and tools."""
+tests), its devices, its linear layers (the row-stable CPU kernel at every weight precision), its attention,
+prompts, and llama.cpp's converter and tools."""
