@@ -166,7 +166,8 @@ def run_llama_cpp(ctx: BenchContext, setup: LlamaCppSetup, method: str, prompt_i
                               len(prompt_ids) + cfg.max_new_tokens + CONTEXT_MARGIN, torch.get_num_threads(),
                               params, cfg.seed, not ctx.eos, cfg.bench.llama_cpp_draft, cfg.ngram.min_match,
                               cfg.ngram.max_tokens, list(cfg.bench.llama_cpp_args))
-        done = subprocess.run(command, capture_output=True, text=True)
+        # a sampled reply can end inside a multi-byte character (the budget cuts it): read it as far as it goes
+        done = subprocess.run(command, capture_output=True, text=True, errors="replace")
     if done.returncode != 0:
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])
         raise EagleLabError(f"llama.cpp ({method}) failed with exit code {done.returncode}: {tail}")
