@@ -20,7 +20,7 @@ from eagle_lab.models.device import resolve_device, resolve_dtype
 from eagle_lab.models.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.model_shape import ModelShape
-from eagle_lab.models.stable_linear import convert_linears
+from eagle_lab.models.stable_linear import StableLinear, convert_linears
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,6 @@ class Target(ModelShape):
     def __init__(self, model, tokenizer, name: str, max_context: int = 0, weights: str = "fp32"):
         self.model = model.eval().requires_grad_(False)
         self.weights = weights  # how the linear weights are stored (eagle_lab.models.stable_linear)
-        self.linear_kernel = "torch"  # or "stable": eagle_lab's row-stable CPU kernel
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
@@ -66,6 +65,11 @@ class Target(ModelShape):
         self.max_context = min(max_context, model_limit) if max_context > 0 else model_limit
         params = inspect.signature(self.backbone.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def linear_kernel(self) -> str:
+        """"stable" where the linear layers run eagle_lab's row-stable CPU kernel, else "torch"."""
+        return "stable" if isinstance(self.model.get_output_embeddings(), StableLinear) else "torch"
 
     @property
     def device(self) -> torch.device:
@@ -176,9 +180,7 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
         log.info("target in %s: a position's logits move with the number of tokens its forward scores (the dtype's "
                  "rounding; measure it with python -m eagle_lab.benchmark.numerics dtype=...), so greedy speculative "
                  "output can part from plain decoding's at near-ties; float32 keeps them equal", dtype)
-    target = Target(model, tokenizer, cfg.name, cfg.max_context, weights)
-    target.linear_kernel = "stable" if replaced else "torch"
-    return target
+    return Target(model, tokenizer, cfg.name, cfg.max_context, weights)
 
 
 def shipped_weights(cfg: TargetConfig) -> str:
