@@ -7,11 +7,18 @@ import threading
 
 import torch
 
+from eagle_lab.decoding.backend import StaticBackend
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode
+from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.engine import Engine, Finished, Plan
 from eagle_lab.serving.scheduler import Job, Scheduler
+
+
+def static_rows(target, rows=4, context=256, compiled=False) -> StaticRows:
+    """The rows a server's sequences decode in (eager unless compiled), small enough for tiny targets."""
+    return StaticRows(StaticBackend(target, [4, 8, 16], cache_block=64, compiled=compiled), rows, context)
 
 
 class Client:

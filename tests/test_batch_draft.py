@@ -22,12 +22,12 @@ from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batch_draft import BatchDrafter, HeadBatch
 from eagle_lab.serving.batching import BatchScheduler
-from eagle_lab.serving.drafters import drafter_factory, fork_eagle
+from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
-from eagle_lab.serving.sequence import Sequence
+from eagle_lab.serving.sequence import Sequence, score_rows
 from tests.conftest import small_vocab_target
 from tests.serving_helpers import TINY, serve_config
-from tests.scheduler_helpers import Client, expected_alone, plan, run_plans
+from tests.scheduler_helpers import Client, expected_alone, plan, run_plans, static_rows
 
 SHAPES = (TreeShape(3, 2, 6), TreeShape(2, 3, 5), TreeShape(4, 1, 4), TreeShape(3, 2, 6))  # ragged k and depth
 
@@ -40,14 +40,14 @@ def head_for(target, kind: str, seed: int = 0):
 
 
 def fork_with(prototype: EagleDrafter, shape: TreeShape) -> EagleDrafter:
-    drafter = fork_eagle(prototype)
-    drafter.shape = shape
+    drafter = prototype.fork()
+    drafter.use_tree(shape, drafter.ngram)
     return drafter
 
 
-def new_sequence(target, drafter, prompt, length: int) -> Sequence:
+def new_sequence(target, drafter, prompt, length: int, rows) -> Sequence:
     sequence = Sequence(target, drafter, prompt, SamplingParams(), Stopper(target.tokenizer, length, set()), None,
-                        plain=drafter is None)
+                        rows, plain=drafter is None)
     sequence.prefill()
     return sequence
 
@@ -61,14 +61,14 @@ def same_tree(got, want) -> bool:
 def run_rounds(target, sequences, joining, drafting, depth_cap=None, rounds=40):
     """Rounds over the live sequences (`joining`: round -> sequence joining then), each drafted by
     `drafting` and, for every EAGLE row, by its twin alone; -> per round the unseen counts of EAGLE rows
-    whether every tree matched its twin's, the batch size, and how many EAGLE trees got n-gram nodes. Each sequence is scored alone (the target side is not
-    under test here); depth_cap(round, index) lowers a row's max depth (as the context limit would)."""
-    twins = {id(s): fork_eagle(s.drafter) for s in sequences if isinstance(s.drafter, EagleDrafter)}
+    whether every tree matched its twin's, the batch size, and how many EAGLE trees got n-gram nodes. The live
+    sequences are scored by one forward of their rows (one per kind of features their drafters read); depth_cap(round, index) lowers a row's max depth (as the context limit would)."""
+    twins = {id(s): s.drafter.fork() for s in sequences if isinstance(s.drafter, EagleDrafter)}
     live, log = list(sequences), []
     for number in range(rounds):
         for sequence in joining.get(number, []):
             live.append(sequence)
-            twins[id(sequence)] = fork_eagle(sequence.drafter)
+            twins[id(sequence)] = sequence.drafter.fork()
         live = [s for s in live if not s.done]
         if not live:
             break
@@ -80,7 +80,7 @@ def run_rounds(target, sequences, joining, drafting, depth_cap=None, rounds=40):
                 sequence.prepare_draft = lambda shape, cap=max_depth: cap  # noqa: B023 - this round's cap
             if id(sequence) in twins and max_depth is not None:
                 twin = twins[id(sequence)]
-                twin.shape = sequence.drafter.shape
+                twin.use_tree(sequence.drafter.shape, twin.ngram)
                 counts.append(sequence.unseen.shape[0])
                 expected[id(sequence)] = twin.draft(sequence.sequence, sequence.unseen, max_depth)
         if len(live) > 1:
@@ -98,8 +98,10 @@ def run_rounds(target, sequences, joining, drafting, depth_cap=None, rounds=40):
             if twin is not None and twin.last_candidates is not None:
                 torch.testing.assert_close(sequence.drafter.last_candidates.scores, twin.last_candidates.scores,
                                            rtol=1e-4, atol=1e-4)
-        for sequence in live:
-            sequence.accept(sequence.score_alone())
+        for layers in {s.layer_ids for s in live}:  # one forward per kind of target features read
+            group = [s for s in live if s.layer_ids == layers]
+            for sequence, scored in zip(group, score_rows(group[0].rows, group)):
+                sequence.accept(scored)
     drafting.release()
     for sequence in live:  # every live drafter's own cache is back, and in step with its twin's
         twin = twins.get(id(sequence))
@@ -121,11 +123,12 @@ def test_batched_trees_equal_each_drafters_own(tiny_target, kind):
     prompts = [as_tensor(encode_prompt(tiny_target.tokenizer, p, chat=False), tiny_target.device)
                for p in ("Hi", "Tell me a story about a dragon.", "1 2 3 1 2 3 1 2", "def f(x):", "abc abc ab",
                          "x = 1; y = 2; x = 1;")]
-    drafters = [fork_eagle(prototype), fork_with(prototype, SHAPES[1]), fork_eagle(other),
-                NgramDrafter(NgramProposer(1, 3, 4)), None, fork_eagle(other)]
-    drafters[0].ngram = None  # hybrid and not, in one head batch
-    sequences = [new_sequence(tiny_target, d, p, n) for d, p, n in zip(drafters, prompts, (8, 30, 12, 10, 6, 20))]
-    joiner = new_sequence(tiny_target, fork_with(prototype, SHAPES[2]), prompts[2], 24)
+    drafters = [prototype.fork(), fork_with(prototype, SHAPES[1]), other.fork(),
+                NgramDrafter(NgramProposer(1, 3, 4)), None, other.fork()]
+    drafters[0].use_tree(drafters[0].shape, None)  # hybrid and not, in one head batch
+    rows = static_rows(tiny_target, rows=8)
+    sequences = [new_sequence(tiny_target, d, p, n, rows) for d, p, n in zip(drafters, prompts, (8, 30, 12, 10, 6, 20))]
+    joiner = new_sequence(tiny_target, fork_with(prototype, SHAPES[2]), prompts[2], 24, rows)
     drafting = BatchDrafter()
     log = run_rounds(tiny_target, sequences, {3: [joiner]}, drafting)
     assert all(matched for _, matched, _, _ in log)
@@ -143,7 +146,8 @@ def test_ragged_accepts_and_depths_near_the_context_limit():
     target = small_vocab_target()
     prototype = EagleDrafter(new_head(target, seed=4), target, SHAPES[0], ngram=NgramProposer(1, 3, 3))
     prompts = [torch.tensor(p) for p in ([1, 4, 2, 0], [3, 1, 4, 2, 0, 1, 3], [2, 2], [0, 1, 0, 1, 0, 1, 4])]
-    sequences = [new_sequence(target, fork_with(prototype, shape), p, 40) for shape, p in zip(SHAPES, prompts)]
+    rows = static_rows(target, rows=len(prompts))
+    sequences = [new_sequence(target, fork_with(prototype, shape), p, 40, rows) for shape, p in zip(SHAPES, prompts)]
     caps = (0, 1, 2, 50, 50)
     log = run_rounds(target, sequences, {}, BatchDrafter(), lambda number, index: caps[(number + index) % len(caps)])
     assert all(matched for _, matched, _, _ in log)
@@ -155,7 +159,7 @@ def test_one_head_forward_per_level_for_the_whole_batch(tiny_llama):
     prototype = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(3, 2, 6))
     prompts = [as_tensor(encode_prompt(tiny_llama.tokenizer, p, chat=False), tiny_llama.device)
                for p in ("a", "bc", "def")]
-    sequences = [new_sequence(tiny_llama, fork_eagle(prototype), p, 10) for p in prompts]
+    sequences = [new_sequence(tiny_llama, prototype.fork(), p, 10, static_rows(tiny_llama, rows=3)) for p in prompts]
     calls = []
     hook = prototype.head.register_forward_hook(lambda module, args, out: calls.append(out.shape[:2]))
     try:
@@ -171,7 +175,7 @@ def engine(request, tiny_llama) -> Engine:
     ngram = NgramProposer(1, 3, 4) if request.param.endswith("hybrid") else None
     prototype = EagleDrafter(head_for(tiny_llama, kind), tiny_llama, TreeShape(depth=3, topk=2, total_tokens=6),
                              ngram=ngram)
-    return Engine(serve_config(*TINY), tiny_llama, drafter_factory(prototype))
+    return Engine(serve_config(*TINY), tiny_llama, drafter_factory(prototype), static_rows(tiny_llama))
 
 
 def test_scheduler_greedy_at_batch_three_equals_alone(engine, monkeypatch):
@@ -186,7 +190,7 @@ def test_scheduler_greedy_at_batch_three_equals_alone(engine, monkeypatch):
 
     monkeypatch.setattr(HeadBatch, "draft", counting)
     plans = [plan(engine, f"Request {i}: {'z' * (4 * i)} 1 2 1 2", n) for i, n in enumerate((10, 36, 18, 28, 14))]
-    scheduler = BatchScheduler(max_batch=3, max_queue=8, target=engine.target)
+    scheduler = BatchScheduler(max_batch=3, max_queue=8, target=engine.target, rows=engine.rows)
     clients = run_plans(scheduler, engine, plans)
     assert [c.tokens for c in clients] == [expected_alone(engine, p) for p in plans]
     assert scheduler.counts["completed"] == 5 and scheduler.batch_sizes.get(3, 0) >= 3
@@ -199,7 +203,7 @@ def test_a_failing_batched_draft_fails_its_jobs_and_the_server_goes_on(engine, m
         raise RuntimeError("head out of memory (simulated)")
 
     monkeypatch.setattr(HeadBatch, "draft", broken)
-    scheduler = BatchScheduler(max_batch=2, max_queue=4, target=engine.target)
+    scheduler = BatchScheduler(max_batch=2, max_queue=4, target=engine.target, rows=engine.rows)
     doomed = [Client(engine, plan(engine, f"doomed {i}", 10), f"d{i}") for i in range(2)]
     for client in doomed:
         scheduler.submit(client.job)
@@ -224,7 +228,8 @@ def test_batched_hybrid_trees_stay_inside_the_largest_static_bucket():
     prototype = EagleDrafter(head_for(target, "eagle2"), target, TreeShape(2, 2, 3), ngram=NgramProposer(1, 3, 8))
     prototype.max_tree_tokens = 8
     prompts = [torch.tensor([1, 4, 2, 0] * (3 + i % 3) + [i % 5]) for i in range(8)]
-    sequences = [new_sequence(target, fork_eagle(prototype), p, 24) for p in prompts]
+    rows = static_rows(target, rows=8)
+    sequences = [new_sequence(target, prototype.fork(), p, 24, rows) for p in prompts]
     drafting, sizes, chains = BatchDrafter(), [], 0
     for _ in range(5):
         live = [s for s in sequences if not s.done]
@@ -233,7 +238,7 @@ def test_batched_hybrid_trees_stay_inside_the_largest_static_bucket():
         assert drafting.draft(live) == [None] * len(live)
         sizes += [s.tree.size for s in live]
         chains += sum(s.tree.from_ngram is not None for s in live)
-        for sequence in live:
-            sequence.accept(sequence.score_alone())
+        for sequence, scored in zip(live, score_rows(rows, live)):
+            sequence.accept(scored)
     drafting.release()
     assert chains > 0 and max(sizes) <= 8, sizes

@@ -28,7 +28,7 @@ from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
 from eagle_lab.tree_search.auto import calibration_fingerprint
 from eagle_lab.tree_search.space import TreeSearchConfig
-from tests.scheduler_helpers import plan, run_plans
+from tests.scheduler_helpers import plan, run_plans, static_rows
 from tests.serving_helpers import TINY, serve_config
 
 GREEDY = SamplingParams()
@@ -97,9 +97,9 @@ def test_a_bf16_head_keeps_greedy_output_exact(tiny_llama, static, kind):
 
 def test_a_bf16_head_drafting_in_a_server_batch_keeps_greedy_output_exact(tiny_llama):
     prototype = EagleDrafter(new_head(tiny_llama, seed=1).to(torch.bfloat16), tiny_llama, TreeShape(3, 2, 6))
-    engine = Engine(serve_config(*TINY), tiny_llama, drafter_factory(prototype))
+    engine = Engine(serve_config(*TINY), tiny_llama, drafter_factory(prototype), static_rows(tiny_llama))
     plans = [plan(engine, f"Request {i}: {'z' * (4 * i)} 1 2 1 2", n) for i, n in enumerate((10, 30, 18))]
-    clients = run_plans(BatchScheduler(max_batch=3, max_queue=8, target=engine.target), engine, plans)
+    clients = run_plans(BatchScheduler(max_batch=3, max_queue=8, target=engine.target, rows=engine.rows), engine, plans)
     for client, p in zip(clients, plans):
         want = generate(vanilla_decode(tiny_llama, as_tensor(p.prompt_ids, tiny_llama.device), GREEDY,
                                        Stopper(tiny_llama.tokenizer, p.max_tokens, set())))

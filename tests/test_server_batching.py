@@ -1,10 +1,11 @@
-"""Batched speculative decoding (eagle_lab/serving/batch.py, batching.py): one target forward
-scores the trees of several sequences, and every sequence decodes exactly as it does alone.
+"""Batched speculative decoding (eagle_lab/serving/sequence.py, batching.py): one forward of the
+static rows scores the trees of several sequences, and every sequence decodes exactly as it does alone.
 
 Greedy and seeded sampling are compared token for token with generate.py run alone (same
 drafter, same seed): rows of different prompt lengths and different tree sizes share a
-forward, sequences join and leave between rounds, a cancelled one frees its slot. Sampling
-at batch > 1 is also checked against the target's exact distribution (chi-square).
+forward, sequences join and leave between rounds (rows are packed under the others), a
+cancelled one frees its row. Sampling at batch > 1 is also checked against the target's exact
+distribution (chi-square).
 """
 
 from __future__ import annotations
@@ -21,17 +22,15 @@ from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.decoding.sampling import SamplingParams
-from eagle_lab.serving.batch import PaddedBatch, padded_mask
 from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.batching import BatchScheduler
-from eagle_lab.serving.drafters import drafter_factory, fork_eagle
+from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
-from eagle_lab.serving.sequence import Sequence
-from eagle_lab.decoding.tree import build_tree
+from eagle_lab.serving.sequence import Sequence, score_rows
 from tests.conftest import OracleDrafter, small_vocab_target
 from tests.test_draft_model import small_lm
 from tests.test_medusa import random_heads
-from tests.scheduler_helpers import Client, expected_alone, plan, run_all
+from tests.scheduler_helpers import Client, expected_alone, plan, run_all, static_rows
 from tests.serving_helpers import TINY, serve_config
 from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
 
@@ -44,7 +43,7 @@ LENGTHS = (30, 22, 27, 18)
 def make_drafters(target, kinds):
     prototype = EagleDrafter(new_head(target, seed=0), target, TreeShape(depth=3, topk=2, total_tokens=6))
     small = EagleDrafter(new_head(target, seed=1), target, TreeShape(depth=2, topk=2, total_tokens=3))
-    made = {"eagle": lambda: fork_eagle(prototype), "eagle-small": lambda: fork_eagle(small),
+    made = {"eagle": lambda: prototype.fork(), "eagle-small": lambda: small.fork(),
             "oracle": lambda: OracleDrafter(target, depth=4), "ngram": lambda: NgramDrafter(NgramProposer(1, 3, 4)),
             "draft_model": drafter_factory(DraftModelDrafter(small_lm(target), TreeShape(depth=3, topk=2, total_tokens=5),
                                                              target.vocab_size)),
@@ -63,27 +62,29 @@ def alone(target, drafter, prompt, params, length, seed) -> tuple[list[int], int
     return result.token_ids, result.stats.target_forwards
 
 
-def together(target, drafters, prompts, params, lengths, seeds, record=None) -> list[tuple[list[int], int]]:
-    """The same sequences, every round of all of them scored in one padded forward."""
+def together(target, drafters, prompts, params, lengths, seeds, rows=None, record=None):
+    """The same sequences, every round of all live ones scored in one forward of the static rows;
+    -> (tokens, target forwards) each. record: gets (tree sizes, pasts) per round and then how many
+    rows were moved (packed) under the others."""
+    rows = rows or static_rows(target)
     sequences = [Sequence(target, d, p, params, Stopper(target.tokenizer, n, set()), torch.Generator().manual_seed(s),
-                          plain=d is None) for d, p, n, s in zip(drafters, prompts, lengths, seeds)]
+                          rows, plain=d is None) for d, p, n, s in zip(drafters, prompts, lengths, seeds)]
     tokens = [s.prefill() for s in sequences]
-    live = [i for i, s in enumerate(sequences) if not s.done]
-    batch = PaddedBatch(target)
+    live, moved = [s for s in sequences if not s.done], 0
     while live:
-        for i in live:
-            sequences[i].draft()
-        rows = [sequences[i] for i in live]
+        for sequence in live:
+            sequence.draft()
         if record is not None:
-            record.append(([s.tree.size for s in rows], [s.past for s in rows]))
-        if len(rows) == 1:
-            batch.release()
-        scored = batch.score(rows) if len(rows) > 1 else [rows[0].score_alone()]
-        for i, row in zip(live, scored):
-            tokens[i] += sequences[i].accept(row)
-        live = [i for i in live if not sequences[i].done]
+            record.append(([s.tree.size for s in live], [s.past for s in live]))
+        before = [s.row.index for s in live]
+        scored = score_rows(rows, live)
+        moved += sum(a != s.row.index for a, s in zip(before, live))
+        for sequence, row in zip(live, scored):
+            tokens[sequences.index(sequence)] += sequence.accept(row)
+        live = [s for s in live if not s.done]
+    assert all(row is None for row in rows.rows)  # every finished sequence gave its row back
     if record is not None:
-        record.append(batch.gathers)
+        record.append(moved)
     return [(t, s.stats.target_forwards) for t, s in zip(tokens, sequences)]
 
 
@@ -101,12 +102,13 @@ def test_greedy_batched_equals_alone(tiny_target, kinds):
                 for d, p, n in zip(make_drafters(tiny_target, kinds), prompts, lengths)]
     rounds = []
     got = together(tiny_target, make_drafters(tiny_target, kinds), prompts, SamplingParams(), lengths,
-                   [0] * len(kinds), rounds)
+                   [0] * len(kinds), record=rounds)
     assert got == expected  # tokens and target forwards
     assert [len(t) for t, _ in got] == list(lengths)
-    gathers, rounds = rounds[-1], rounds[:-1]
+    moved, rounds = rounds[-1], rounds[:-1]
+    if len(kinds) == 4:
+        assert moved >= 1  # the first to finish (row 3, 18 tokens) was not last: a row was packed
     batched = [r for r in rounds if len(r[0]) > 1]
-    assert gathers == len({len(r[0]) for r in batched})  # the padded cache is rebuilt only when one leaves
     assert len(batched) >= 5 and any(len(set(pasts)) > 1 for _, pasts in batched)  # ragged caches
     if kinds[1] == "oracle":
         assert any(len(set(sizes)) > 1 for sizes, _ in batched)  # ragged trees in one forward
@@ -124,16 +126,6 @@ def test_seeded_sampling_batched_equals_alone(tiny_llama, kinds):
     assert got == expected
 
 
-def test_padded_mask_sees_own_past_and_ancestors_only():
-    chain = build_tree(torch.tensor([7, 8]), torch.tensor([-1, 0]))  # root -> a
-    fork = build_tree(torch.tensor([5, 6, 9]), torch.tensor([-1, 0, 0]))  # root -> b, root -> c
-    mask = padded_mask([4, 2], [chain, fork], torch.float32, torch.device("cpu"))
-    assert mask.shape == (2, 1, 3, 4 + 3)
-    seen = (mask[:, 0] == 0).int().tolist()  # (B, N, P + N)
-    assert seen[0] == [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0, 1]]  # padded query: itself
-    assert seen[1] == [[1, 1, 0, 0, 1, 0, 0], [1, 1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 1, 0, 1]]  # padding past unseen
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("batched_drafting", [False, True], ids=["drafting-alone", "drafting-batched"])
 def test_sampling_at_batch_four_keeps_the_target_distribution(batched_drafting):
@@ -149,26 +141,26 @@ def test_sampling_at_batch_four_keeps_the_target_distribution(batched_drafting):
     length, groups = 3, 1000
     counts: list[dict] = [{}, {}]
     accepted = 0
+    rows = static_rows(target, context=64)
     for group in range(groups):
-        sequences = [Sequence(target, fork_eagle(prototype), prompts[row % 2], params, Stopper(target.tokenizer, length,
+        sequences = [Sequence(target, prototype.fork(), prompts[row % 2], params, Stopper(target.tokenizer, length,
                                                                                               set()),
-                              torch.Generator().manual_seed(4 * group + row)) for row in range(4)]
+                              torch.Generator().manual_seed(4 * group + row), rows) for row in range(4)]
         tokens = [s.prefill() for s in sequences]
         live = [i for i, s in enumerate(sequences) if not s.done]
-        batch, drafting = PaddedBatch(target), BatchDrafter()
+        drafting = BatchDrafter()
         while live:
-            rows = [sequences[i] for i in live]
-            if batched_drafting and len(rows) > 1:
-                assert drafting.draft(rows) == [None] * len(rows)
+            batch = [sequences[i] for i in live]
+            if batched_drafting and len(batch) > 1:
+                assert drafting.draft(batch) == [None] * len(batch)
             else:
                 drafting.release()
-                for s in rows:
+                for s in batch:
                     s.draft()
-            if len(rows) == 1:
-                batch.release()
-            for i, row in zip(live, batch.score(rows) if len(rows) > 1 else [rows[0].score_alone()]):
-                tokens[i] += sequences[i].accept(row)
+            for i, scored in zip(live, score_rows(rows, batch)):
+                tokens[i] += sequences[i].accept(scored)
             live = [i for i in live if not sequences[i].done]
+        drafting.release()
         for row, (s, t) in enumerate(zip(sequences, tokens)):
             counts[row % 2][tuple(t)] = counts[row % 2].get(tuple(t), 0) + 1
             accepted += s.stats.accepted_draft_tokens > 0
@@ -184,7 +176,7 @@ def test_sampling_at_batch_four_keeps_the_target_distribution(batched_drafting):
 @pytest.fixture(scope="module")
 def engine(tiny_llama) -> Engine:
     prototype = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(depth=3, topk=2, total_tokens=6))
-    return Engine(serve_config(*TINY), tiny_llama, drafter_factory(prototype))
+    return Engine(serve_config(*TINY), tiny_llama, drafter_factory(prototype), static_rows(tiny_llama, context=512))
 
 
 def test_sequences_join_and_leave_between_rounds(engine):
@@ -192,7 +184,7 @@ def test_sequences_join_and_leave_between_rounds(engine):
     finish, two more arrive while the batch runs; each equals its run alone."""
     plans = [plan(engine, f"Request {i}: {'x' * (3 * i)}", n, t, seed=i)
              for i, (n, t) in enumerate([(12, 0), (40, 0), (20, 0.8), (30, 0), (16, 0.8), (25, 0)])]
-    scheduler = BatchScheduler(max_batch=3, max_queue=8, target=engine.target)
+    scheduler = BatchScheduler(max_batch=3, max_queue=8, target=engine.target, rows=engine.rows)
     clients = [Client(engine, p, f"r{i}") for i, p in enumerate(plans)]
     for client in clients[:4]:
         scheduler.submit(client.job)
@@ -208,12 +200,12 @@ def test_sequences_join_and_leave_between_rounds(engine):
 
 def test_cancelled_sequence_frees_its_slot_and_cache(engine):
     long, other, waiting = plan(engine, "a long one", 400), plan(engine, "the other one", 30), plan(engine, "next", 20)
-    scheduler = BatchScheduler(max_batch=2, max_queue=4, target=engine.target)
+    scheduler = BatchScheduler(max_batch=2, max_queue=4, target=engine.target, rows=engine.rows)
     clients = run_all(scheduler, [Client(engine, long, "long", cancel_after=4), Client(engine, other, "other"),
                                   Client(engine, waiting, "waiting")])
     cancelled = clients[0]
     assert len(cancelled.events) == 4 and not cancelled.finished.is_set()  # no round after the cancel
-    assert cancelled.decoding.sequence.cache is None and cancelled.decoding.sequence.stats.stop_reason == "cancelled"
+    assert not cancelled.decoding.sequence.row.attached and cancelled.decoding.sequence.stats.stop_reason == "cancelled"
     assert clients[1].tokens == expected_alone(engine, other) and clients[2].tokens == expected_alone(engine, waiting)
     assert scheduler.counts["cancelled"] == 1 and scheduler.counts["completed"] == 2 and scheduler.active == 0
 
@@ -221,11 +213,11 @@ def test_cancelled_sequence_frees_its_slot_and_cache(engine):
 def test_a_failing_batched_forward_fails_its_jobs_and_the_server_goes_on(engine, monkeypatch):
     import eagle_lab.serving.batching as batching
 
-    def broken(self, sequences):
+    def broken(rows, sequences):
         raise RuntimeError("out of memory (simulated)")
 
-    monkeypatch.setattr(batching.PaddedBatch, "score", broken)
-    scheduler = BatchScheduler(max_batch=2, max_queue=4, target=engine.target)
+    monkeypatch.setattr(batching, "score_rows", broken)
+    scheduler = BatchScheduler(max_batch=2, max_queue=4, target=engine.target, rows=engine.rows)
     first = [Client(engine, plan(engine, f"doomed {i}", 10), f"d{i}") for i in range(2)]
     for client in first:
         scheduler.submit(client.job)
@@ -239,4 +231,4 @@ def test_a_failing_batched_forward_fails_its_jobs_and_the_server_goes_on(engine,
     scheduler.submit(survivor.job)
     scheduler.stop(timeout=60)
     assert survivor.tokens == expected_alone(engine, later) and scheduler.counts["failed"] == 2
-    assert all(c.decoding.sequence.cache is None for c in first)  # their caches were freed
+    assert all(not c.decoding.sequence.row.attached for c in first)  # their rows were freed

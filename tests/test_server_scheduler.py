@@ -17,11 +17,29 @@ from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.decoding.sampling import SamplingParams
-from eagle_lab.serving.drafters import drafter_factory, fork_eagle
+from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.scheduler import Failed, Job, QueueFull, Scheduler
 
 
 # ---------------------------------------------------------------- scheduler, fake streams
+
+class StreamScheduler(Scheduler):
+    """The scheduler's queueing and admission, its round advancing each job's plain iterator by one event."""
+
+    def _round(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.cancelled.is_set():
+                self._retire(job, "cancelled")
+                continue
+            try:
+                if job.stream is None:
+                    job.stream = job.start()
+                job.deliver(next(job.stream))
+            except StopIteration:
+                self._retire(job, "completed")
+            except Exception as exc:  # noqa: BLE001 - the scheduler's own rule: one job's failure is its own
+                self._fail(job, exc)
+
 
 class Recorder:
     """Collects a job's events (deliver runs on the scheduler thread)."""
@@ -59,7 +77,7 @@ def wait_for(condition, timeout: float = 10.0) -> None:
 
 
 def test_rounds_interleave_and_jobs_join_between_rounds():
-    scheduler, log = Scheduler(max_batch=2, max_queue=8), []
+    scheduler, log = StreamScheduler(max_batch=2, max_queue=8), []
     jobs = [make_job(name, rounds, log) for name, rounds in (("a", 3), ("b", 5), ("c", 2))]
     for job, _ in jobs:
         scheduler.submit(job)
@@ -75,7 +93,7 @@ def test_rounds_interleave_and_jobs_join_between_rounds():
 
 def test_waiting_list_is_bounded_and_cancel_frees_slots():
     gate, log = threading.Event(), []
-    scheduler = Scheduler(max_batch=1, max_queue=2)
+    scheduler = StreamScheduler(max_batch=1, max_queue=2)
     scheduler.start()
     running, _ = make_job("running", 1000, log, gate=gate)
     scheduler.submit(running)
@@ -99,7 +117,7 @@ def test_waiting_list_is_bounded_and_cancel_frees_slots():
 
 
 def test_a_failing_job_fails_alone():
-    scheduler, log = Scheduler(max_batch=4, max_queue=4), []
+    scheduler, log = StreamScheduler(max_batch=4, max_queue=4), []
     bad, bad_events = make_job("bad", 5, log, fail_at=2)
     good, good_events = make_job("good", 5, log)
     scheduler.submit(bad)
@@ -114,9 +132,9 @@ def test_a_failing_job_fails_alone():
 
 def test_scheduler_refuses_bad_limits():
     with pytest.raises(EagleLabError):
-        Scheduler(max_batch=0, max_queue=1)
+        StreamScheduler(max_batch=0, max_queue=1)
     with pytest.raises(EagleLabError):
-        Scheduler(max_batch=1, max_queue=0)
+        StreamScheduler(max_batch=1, max_queue=0)
 
 
 # ---------------------------------------------------------------- one drafter per sequence
@@ -176,9 +194,9 @@ def prototype(tiny_llama) -> EagleDrafter:
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0)], ids=["greedy", "sampled"])
 def test_forked_drafters_keep_interleaved_sequences_as_alone(tiny_llama, prototype, params):
-    solo_drafters = [RecordingDrafter(fork_eagle(prototype)) for _ in PROMPTS]
+    solo_drafters = [RecordingDrafter(prototype.fork()) for _ in PROMPTS]
     solo = [run_alone(gen) for gen in decoders(tiny_llama, solo_drafters, params)]
-    mixed_drafters = [RecordingDrafter(fork_eagle(prototype)) for _ in PROMPTS]
+    mixed_drafters = [RecordingDrafter(prototype.fork()) for _ in PROMPTS]
     mixed = run_interleaved(decoders(tiny_llama, mixed_drafters, params))
     assert mixed == solo
     assert [len(t) for t in solo] == list(MAX_TOKENS)
@@ -191,16 +209,16 @@ def test_one_shared_drafter_would_corrupt_interleaved_sequences(tiny_llama, prot
     """The hazard the forks remove (and proof the test above can fail): one drafter whose head
     cache is fed by several interleaved sequences drafts differently than it does alone (or breaks)."""
     params = SamplingParams(temperature=1.0)
-    solo_drafters = [RecordingDrafter(fork_eagle(prototype)) for _ in PROMPTS]
+    solo_drafters = [RecordingDrafter(prototype.fork()) for _ in PROMPTS]
     solo = [run_alone(gen) for gen in decoders(tiny_llama, solo_drafters, params)]
-    shared = RecordingDrafter(fork_eagle(prototype))
+    shared = RecordingDrafter(prototype.fork())
     run_interleaved(decoders(tiny_llama, [shared] * len(PROMPTS), params))
     solo_trees = [tree for d in solo_drafters for tree in d.trees]
     assert sorted(shared.trees) != sorted(solo_trees)
 
 
 def test_forks_share_weights_not_state(prototype):
-    a, b = fork_eagle(prototype), fork_eagle(prototype)
+    a, b = prototype.fork(), prototype.fork()
     assert a.head is b.head is prototype.head and a.lm_weight is prototype.lm_weight and a.shape is prototype.shape
     assert a.cache is not b.cache and a.cache is not prototype.cache
 
@@ -218,7 +236,7 @@ def test_a_dead_scheduler_thread_fails_every_waiting_job():
     """A bug that kills the thread (here: a deliver that raises) must not leave requests waiting forever."""
     from eagle_lab.serving.scheduler import SchedulerStopped
 
-    scheduler, log = Scheduler(max_batch=1, max_queue=4), []
+    scheduler, log = StreamScheduler(max_batch=1, max_queue=4), []
 
     def broken_deliver(event):
         raise ValueError("a broken callback")

@@ -15,20 +15,13 @@ import torch
 from eagle_lab.decoding.backend import EagerBackend, StaticBackend
 from eagle_lab.decoding.static_rows import StaticRows, row_buckets
 from eagle_lab.errors import EagleLabError
-from eagle_lab.decoding.generate import Stopper
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.engine import Engine
-from eagle_lab.serving.sequence import Sequence, score_rows
 from eagle_lab.decoding.tree import build_tree
-from eagle_lab.serving.drafters import fork_eagle
-from tests.scheduler_helpers import expected_alone, plan, run_plans
+from tests.scheduler_helpers import expected_alone, plan, run_plans, static_rows
 from tests.serving_helpers import serve_config
-from tests.test_server_batching import LENGTHS, PROMPTS, alone, encoded, make_drafters
-
-
-def static_rows(target, rows=4, context=256, compiled=False) -> StaticRows:
-    return StaticRows(StaticBackend(target, [4, 8, 16], cache_block=64, compiled=compiled), rows, context)
+from tests.test_server_batching import LENGTHS, PROMPTS, encoded, make_drafters, together
 
 
 def test_row_buckets():
@@ -59,49 +52,6 @@ def test_rows_score_like_dynamic_caches(tiny_target):
             assert handle.past == scorer.past
 
 
-def decode_on_rows(target, drafters, prompts, params, lengths, seeds, rows: StaticRows):
-    """Every round of all live sequences in one static forward; -> (tokens, target forwards) each, moves."""
-    sequences = [Sequence(target, d, p, params, Stopper(target.tokenizer, n, set()), torch.Generator().manual_seed(s),
-                          plain=d is None, rows=rows) for d, p, n, s in zip(drafters, prompts, lengths, seeds)]
-    tokens = [s.prefill() for s in sequences]
-    live, moved = [s for s in sequences if not s.done], 0
-    while live:
-        for sequence in live:
-            sequence.draft()
-        before = [s.row.index for s in live]
-        scored = score_rows(rows, live)
-        moved += sum(a != s.row.index for a, s in zip(before, live))
-        for sequence, row in zip(live, scored):
-            tokens[sequences.index(sequence)] += sequence.accept(row)
-        live = [s for s in live if not s.done]
-    assert all(row is None for row in rows.rows)  # every finished sequence gave its row back
-    return [(t, s.stats.target_forwards) for t, s in zip(tokens, sequences)], moved
-
-
-@pytest.mark.parametrize("kinds", [("eagle", "oracle", "ngram", "eagle-small"), ("vanilla",) * 4,
-                                   ("draft_model", "medusa", "eagle")], ids=["mixed4", "vanilla4", "other3"])
-def test_greedy_on_rows_equals_alone(tiny_target, kinds):
-    prompts, lengths = encoded(tiny_target, PROMPTS[:len(kinds)]), LENGTHS[:len(kinds)]
-    expected = [alone(tiny_target, d, p, SamplingParams(), n, 0)
-                for d, p, n in zip(make_drafters(tiny_target, kinds), prompts, lengths)]
-    got, moved = decode_on_rows(tiny_target, make_drafters(tiny_target, kinds), prompts, SamplingParams(), lengths,
-                                [0] * len(kinds), static_rows(tiny_target))
-    assert got == expected  # tokens and target forwards
-    if len(kinds) == 4:
-        assert moved >= 1  # the first to finish (row 3, 18 tokens) was not last: a row was packed
-
-
-def test_seeded_sampling_on_rows_equals_alone(tiny_llama):
-    params = SamplingParams(temperature=0.8, top_p=0.95)
-    kinds, seeds = ("eagle", "oracle", "vanilla"), (3, 4, 5)
-    prompts, lengths = encoded(tiny_llama, PROMPTS[:3]), LENGTHS[:3]
-    expected = [alone(tiny_llama, d, p, params, n, s)
-                for d, p, n, s in zip(make_drafters(tiny_llama, kinds), prompts, lengths, seeds)]
-    got, _ = decode_on_rows(tiny_llama, make_drafters(tiny_llama, kinds), prompts, params, lengths, seeds,
-                            static_rows(tiny_llama))
-    assert got == expected
-
-
 def test_rows_refuse_what_they_cannot_hold(tiny_llama):
     rows = static_rows(tiny_llama, rows=2, context=64)
     first, _ = rows.attach(), rows.attach()
@@ -116,7 +66,7 @@ def test_scheduler_on_rows_serves_like_alone(tiny_llama):
     leaving between rounds; each gets generate.py's tokens alone."""
     rows = static_rows(tiny_llama, rows=3)
     prototype = make_drafters(tiny_llama, ["eagle"])[0]
-    engine = Engine(serve_config("method=eagle"), tiny_llama, lambda: fork_eagle(prototype), rows=rows)
+    engine = Engine(serve_config("method=eagle"), tiny_llama, lambda: prototype.fork(), rows=rows)
     scheduler = BatchScheduler(3, 8, tiny_llama, rows=rows)
     plans = [plan(engine, text, n) for text, n in zip(PROMPTS + PROMPTS[:2], LENGTHS + LENGTHS[:2])]
     clients = run_plans(scheduler, engine, plans)
@@ -132,7 +82,7 @@ def test_compiled_rows_decode_like_eager_rows(tiny_llama):
     prompts, lengths = encoded(tiny_llama, PROMPTS), LENGTHS
     runs = {}
     for compiled in (False, True):
-        runs[compiled], _ = decode_on_rows(tiny_llama, make_drafters(tiny_llama, kinds), prompts, SamplingParams(),
+        runs[compiled] = together(tiny_llama, make_drafters(tiny_llama, kinds), prompts, SamplingParams(),
                                            lengths, [0] * 4, static_rows(tiny_llama, compiled=compiled))
     assert runs[True] == runs[False]
 
@@ -164,15 +114,15 @@ def test_compile_auto_keeps_the_faster_step_per_shape(tiny_llama, monkeypatch, t
     kinds = ("eagle", "vanilla")
     prompts, lengths = encoded(tiny_llama, PROMPTS[:2]), LENGTHS[:2]
     drafters = make_drafters(tiny_llama, kinds)
-    got, _ = decode_on_rows(tiny_llama, drafters, prompts, SamplingParams(), lengths, [0, 0],
+    got = together(tiny_llama, drafters, prompts, SamplingParams(), lengths, [0, 0],
                             StaticRows(backend, 2, 256))
-    expected, _ = decode_on_rows(tiny_llama, make_drafters(tiny_llama, kinds), prompts, SamplingParams(), lengths,
+    expected = together(tiny_llama, make_drafters(tiny_llama, kinds), prompts, SamplingParams(), lengths,
                                  [0, 0], static_rows(tiny_llama, rows=2))
     assert got == expected
     assert steps._eager_shapes and all(steps.runs_eager(*shape) for shape in steps._eager_shapes)
     assert not StaticBackend(tiny_llama, [4], compiled=True).runs_eager(2, 4)  # compile=true: always compiled
 
     calls.clear()
-    again, _ = decode_on_rows(tiny_llama, make_drafters(tiny_llama, kinds), prompts, SamplingParams(), lengths,
+    again = together(tiny_llama, make_drafters(tiny_llama, kinds), prompts, SamplingParams(), lengths,
                               [0, 0], StaticRows(slow_backend(), 2, 256))
     assert again == expected and not calls  # every shape ran eagerly from the cached verdicts

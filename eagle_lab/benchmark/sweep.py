@@ -7,7 +7,7 @@ client sending its next prompt when its last one finished. Reported per (method,
   total tokens/s   all new tokens / wall time of the level
   latency p50/p95  per request, from submission to its last token
   batch sizes      rounds scored at each batch size (how full the batch really was)
-  tree             the tree each batch size drafts (tree=auto: from eagle_lab/serving/tree_per_batch.py)
+  tree             the tree each batch size drafts (tree=auto: from eagle_lab/serving/batch_trees.py)
   greedy mismatch  at T=0, requests whose tokens differ from the same method at c = 1 and
                    from vanilla at c = 1 (batching is lossless: both must be 0)
 Results go to sweep.json, sweep.md and sweep.png in the run directory.
@@ -74,17 +74,16 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
         log.warning("bench.concurrency %d > %d prompts: the batch can never fill (raise bench.limit)", levels[-1],
                     len(encoded))
     backend = build_backend(target, cfg.compile, cfg.decoding)
-    # compiled: every method's sequences take rows of one static cache (methods run in turns, never together)
+    # every method's sequences take rows of one static cache (methods run in turns, never together)
     shared_rows = serving_rows(backend, max(levels), max(len(ids) for ids in encoded) + cfg.max_new_tokens)
     engines = {method: _engine(cfg, method, target, max(levels), backend, shared_rows) for method in methods}
-    trees = {method: per_batch for method, (_, per_batch) in engines.items()}
     rows = []
     for temperature in cfg.bench.temperatures:
         params = SamplingParams(temperature, cfg.top_k, cfg.top_p)
         if cfg.bench.warmup:
             for engine, per_batch in engines.values():
                 # untimed; compiled, each batch size's graphs are built here rather than inside a timed level
-                for level in levels if shared_rows is not None else [1]:
+                for level in levels if shared_rows.backend.compiled else [1]:
                     run_level(engine, target, per_batch, encoded[: max(cfg.bench.warmup, level)], params, cfg, level,
                               shared_rows)
         for turn, level in enumerate(levels):
@@ -93,12 +92,12 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
             order = methods[turn % len(methods):] + methods[: turn % len(methods)] if cfg.bench.interleave \
                 else methods
             for method in order:
-                engine, batch_trees = engines[method]
+                engine, per_batch = engines[method]
                 log.info("sweep: %s at T=%g, %d concurrent clients, %d prompts", method, temperature, level,
                          len(encoded))
-                result = run_level(engine, target, batch_trees, encoded, params, cfg, level, shared_rows)
+                result = run_level(engine, target, per_batch, encoded, params, cfg, level, shared_rows)
                 rows.append({"method": method, "temperature": float(temperature), "concurrency": level,
-                             **result, "tree": tree_label(batch_trees, level)})
+                             **result, "tree": tree_label(per_batch, level, params)})
     rows.sort(key=lambda r: (r["temperature"], methods.index(r["method"]), r["concurrency"]))
     mark_mismatches(rows)
     results = {"config": {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
@@ -106,28 +105,37 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
                           "ignore_eos": cfg.ignore_eos, "tree_auto": cfg.tree.auto, "methods": methods,
                           "decoding": backend.name,
                           "concurrency": levels},
-               "trees": {m: {str(b): s for b, s in t["shapes"].items()} for m, t in trees.items()},
+               "trees": {m: {str(t): {str(b): tree_shape(per_batch, b, SamplingParams(t)) for b in levels}
+                             for t in cfg.bench.temperatures} for m, (_, per_batch) in engines.items()},
                "rows": rows}
     write_sweep(results, run_dir)
     return results
 
 
-def _engine(cfg: ServeConfig, method: str, target: Target, max_batch: int, backend, rows: StaticRows | None):
-    """The server's engine for `method`, and its tree per batch size ({batch: shape dict or 'plain'})."""
+def _engine(cfg: ServeConfig, method: str, target: Target, max_batch: int, backend, rows: StaticRows):
+    """The server's engine for `method`, and its trees: {"prototype": the drafter, "trees": the policy at batch >= 2}."""
     method_cfg = replace(cfg, method=method, server=replace(cfg.server, max_batch=max_batch))
-    prototype = make_drafter(method_cfg, target, backend)
-    trees = batch_trees(method_cfg, target, prototype, rows)
-    own = None
-    if isinstance(prototype, EagleDrafter):
-        own = {**asdict(prototype.shape), "ngram_tokens": prototype.ngram.max_tokens if prototype.ngram else 0}
-    shapes = {b: ({**asdict(trees[b].shape), "ngram_tokens": trees[b].ngram_tokens or 0} if b in trees else own)
-              for b in range(1, max_batch + 1)}
-    return Engine(method_cfg, target, drafter_factory(prototype), rows), {"shapes": shapes, "trees": trees}
+    prototype = make_drafter(method_cfg, target, backend, temperatures=cfg.bench.temperatures)
+    per_batch = {"prototype": prototype, "trees": batch_trees(method_cfg, target, prototype, rows)}
+    return Engine(method_cfg, target, drafter_factory(prototype), rows), per_batch
 
 
-def tree_label(batch_trees: dict, batch: int) -> str:
+def tree_shape(per_batch: dict, batch: int, params: SamplingParams) -> dict | None:
+    """The tree a row at these parameters drafts at `batch` (depth, topk, total_tokens, ngram_tokens);
+    None for a drafter without a tree shape."""
+    prototype = per_batch["prototype"]
+    if not isinstance(prototype, EagleDrafter):
+        return None
+    tree = per_batch["trees"].tree(batch, params)
+    if tree is not None:
+        return {**asdict(tree.shape), "ngram_tokens": tree.ngram_tokens or 0}
+    shape, ngram = prototype.tree_for(params)
+    return {**asdict(shape), "ngram_tokens": ngram.max_tokens if ngram is not None else 0}
+
+
+def tree_label(per_batch: dict, batch: int, params: SamplingParams) -> str:
     """'d3 k2 n6', 'd1 k2 n2 + ngram 4', 'ngram 4' (n-gram only) or 'plain (no draft)'."""
-    shape = batch_trees["shapes"].get(batch)
+    shape = tree_shape(per_batch, batch, params)
     if shape is None:
         return "-"
     chain = shape.get("ngram_tokens") or 0
@@ -137,10 +145,10 @@ def tree_label(batch_trees: dict, batch: int) -> str:
     return f"{head} + ngram {chain}" if chain else head
 
 
-def run_level(engine, target: Target, batch_trees: dict, encoded: list[list[int]], params: SamplingParams,
-              cfg: ServeConfig, level: int, rows: StaticRows | None = None) -> dict[str, Any]:
+def run_level(engine, target: Target, per_batch: dict, encoded: list[list[int]], params: SamplingParams,
+              cfg: ServeConfig, level: int, rows: StaticRows) -> dict[str, Any]:
     """All prompts through a fresh BatchScheduler (max_batch = level) from `level` closed-loop clients."""
-    scheduler = BatchScheduler(level, len(encoded) + level, target, batch_trees["trees"], rows=rows)
+    scheduler = BatchScheduler(level, len(encoded) + level, target, rows, per_batch["trees"])
     plans = [Plan(ids, params, cfg.max_new_tokens, [], cfg.ignore_eos, cfg.seed) for ids in encoded]
     outputs: list[list[int] | None] = [None] * len(plans)
     latency = [0.0] * len(plans)
@@ -170,15 +178,23 @@ def run_level(engine, target: Target, batch_trees: dict, encoded: list[list[int]
             else:
                 errors.append(f"prompt {index}: {last[0].message}")
 
-    scheduler.start()
     threads = [threading.Thread(target=client) for _ in range(level)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
-    scheduler.stop()
+    clock: dict[str, float] = {}
+
+    def drive() -> None:  # the clients, then the scheduler's stop, from a thread beside the loop
+        clock["start"] = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        clock["wall"] = time.perf_counter() - clock["start"]
+        scheduler.stop()
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    scheduler.run()  # on this thread, which loaded the model (scheduler.ModelThread says why)
+    driver.join()
+    wall = clock["wall"]
     if errors:
         raise EagleLabError(f"sweep requests failed: {'; '.join(errors)}")
     new_tokens = sum(len(o) for o in outputs)

@@ -22,23 +22,23 @@ def cache_length(cache) -> int:
 
 
 def keep_accepted(cache, past_len: int, accepted: torch.Tensor) -> None:
-    """Keep positions [0, past_len) plus `past_len + accepted` (tree-node indices, in order).
+    """Keep positions [0, past_len) plus `past_len + accepted` (tree-node indices, in order): the accepted
+    entries move in place (move_row_entries, in every row) and the cache is cut after them.
 
     accepted: [L] int64 indices into the nodes scored after `past_len`.
     """
-    if accepted.numel() == cache_length(cache) - past_len and bool(
-        (accepted == torch.arange(accepted.numel(), device=accepted.device)).all()
-    ):
-        return  # the accepted nodes already sit contiguously: nothing to move
-    for layer in _layers(cache):
-        if not getattr(layer, "is_initialized", True) or layer.keys is None:
-            continue
-        if getattr(layer, "is_sliding", False):
-            raise TypeError("sliding-window cache layers are not supported by tree verification")
-        index = accepted.to(layer.keys.device) + past_len
-        # keys/values: [B, kvH, T, D] -> [B, kvH, past_len + L, D]
-        layer.keys = torch.cat([layer.keys[:, :, :past_len], layer.keys.index_select(2, index)], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :past_len], layer.values.index_select(2, index)], dim=2)
+    count = accepted.numel()
+    if not (count == cache_length(cache) - past_len
+            and bool((accepted == torch.arange(count, device=accepted.device)).all())):
+        for layer in _layers(cache):
+            if not getattr(layer, "is_initialized", True) or layer.keys is None:
+                continue
+            if getattr(layer, "is_sliding", False):
+                raise TypeError("sliding-window cache layers are not supported by tree verification")
+            index = accepted.to(layer.keys.device) + past_len
+            for row in range(layer.keys.shape[0]):  # keys/values: [B, kvH, T, D]
+                move_row_entries((layer.keys, layer.values), row, index, past_len)
+    truncate(cache, past_len + count)
 
 
 def move_row_entries(tensors, row: int, source: torch.Tensor, start: int) -> None:

@@ -173,29 +173,11 @@ def speculative_decode(
     return stats
 
 
-def score_tree(target: Target, tree: DraftTree, cache, past: int, layer_ids: tuple[int, ...] = ()):
-    """One target forward over the tree's N tokens after `past` cached ones.
-
-    A root-only tree (nothing drafted this round: tree=auto chose not to draft, or no n-gram
-    chain matched) runs vanilla decoding's one-token forward: the cache implies its position and
-    causality, so no mask is built and attention takes the same kernel as plain decoding (a
-    4-D mask made these rounds measurably slower than plain ones)."""
-    if tree.size == 1:
-        return target.forward(tree.tokens[None], cache, layer_ids=layer_ids)  # [1, 1] token
-    positions = (past + tree.depths)[None]  # [1, N]
-    return target.forward(tree.tokens[None], cache, positions, tree.mask, layer_ids)
-
-
 def _ngram_counts(tree: DraftTree, accepted: torch.Tensor) -> tuple[int, int]:
     """(accepted nodes an n-gram chain added, nodes it added) in this round's tree."""
     if tree.from_ngram is None:
         return 0, 0
     return int(tree.from_ngram[accepted[1:]].sum()), int(tree.from_ngram.sum())
-
-
-def _head_features(out) -> torch.Tensor:
-    """What the drafter reads: the fused layers when it asked for them, else the top feature."""
-    return out.layer_features if out.layer_features is not None else out.features
 
 
 def generate(decoder: Generator[list[int], None, GenerationStats]) -> GenerationResult:

@@ -163,6 +163,10 @@ class StaticRows:
             row.past += 1
 
     def _token_bucket(self, count: int) -> int:
+        """Tokens per row a forward of `count` runs at: a bucket (graphs are shared by shape), or `count` itself
+        on an eager backend, which has no graphs to share."""
+        if not self.backend.compiled:
+            return count
         if self.token_buckets:
             for size in self.token_buckets:
                 if size >= count:

@@ -56,9 +56,8 @@ from eagle_lab.decoding.tree import DraftTree
 
 NodeLogits = Callable[[int], torch.Tensor]  # node index -> [V] target logits at that node
 # A verification walk as a generator: it yields the node whose target logits it needs next, is
-# sent those logits [V], and returns (accepted node indices [L + 1], bonus token id). The walk
-# asks for one node at a time, so several sequences' walks can share one LM-head call per step
-# (verify_rows) while each keeps its own rule and its own random stream.
+# sent those logits [V], and returns (accepted node indices [L + 1], bonus token id). The greedy
+# and sampling rules are written once as walks; run_steps drives one with a node -> logits lookup.
 VerifySteps = Generator[int, torch.Tensor, tuple[torch.Tensor, int]]
 
 
@@ -89,40 +88,6 @@ def run_steps(steps: Generator[int, torch.Tensor, tuple[torch.Tensor, int]],
             node = steps.send(node_values(node))
     except StopIteration as done:
         return done.value
-
-
-def verify_rows(walks: list[tuple[VerifySteps, torch.Tensor]],
-                logits: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[torch.Tensor, int] | Exception]:
-    """Several sequences' walks in lockstep: at each step the node every unfinished walk asks for
-    is read from its own features (N_i, H), and one logits((R, H)) -> (R, V) call answers them
-    all, so the LM head's weights are read once per step rather than once per sequence (at
-    batch 8 on a CPU, eight reads of a 49k x 576 head cost more than the batched forward's
-    share of a plain round). Each walk keeps its own rule and generator, so its result is the
-    one verify() gives, up to the float rounding of a batched matmul. A walk that raises gets
-    its exception as its result; the others go on."""
-    results: list[tuple[torch.Tensor, int] | Exception | None] = [None] * len(walks)
-    asked: dict[int, int] = {}  # walk index -> the node it asks for
-    for index, (steps, _) in enumerate(walks):
-        _advance(steps, None, index, asked, results)
-    while asked:
-        order = list(asked)
-        rows = torch.stack([walks[i][1][asked[i]] for i in order])  # (R, H)
-        answers = logits(rows)  # (R, V)
-        for row, index in enumerate(order):
-            _advance(walks[index][0], answers[row], index, asked, results)
-    return results  # type: ignore[return-value]
-
-
-def _advance(steps: VerifySteps, value: torch.Tensor | None, index: int, asked: dict[int, int],
-             results: list) -> None:
-    """One step of walk `index`: record the next node it asks for, or its result (or exception)."""
-    asked.pop(index, None)
-    try:
-        asked[index] = next(steps) if value is None else steps.send(value)
-    except StopIteration as done:
-        results[index] = done.value
-    except Exception as exc:  # noqa: BLE001 - one sequence's failure is its own
-        results[index] = exc
 
 
 def verify_sampling(

@@ -76,46 +76,71 @@ class Candidates:
 
 
 
+class TreeGrowth:
+    """EAGLE-2's dynamic tree grown one level at a time, for one sequence: each level the frontier's k nodes
+    get k children each, the best k of those k*k become the next frontier, and at the end the best
+    `total_tokens` of all candidates become the tree. The single-sequence loop (grow_dynamic_tree) and
+    batched drafting (eagle_lab/serving/batch_draft.py) both grow trees with it."""
+
+    def __init__(self, scores: torch.Tensor, tokens: torch.Tensor):
+        """scores, tokens: [k] the root's children (log-probabilities, target token ids)."""
+        k, device = scores.numel(), scores.device
+        self.k = k
+        self.scores, self.tokens = [scores], [tokens]
+        self.parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
+        self.frontier = torch.arange(k, device=device)  # candidate ids of the frontier
+        self.frontier_scores, self.frontier_tokens = scores, tokens  # [k]
+        self.ancestry = torch.zeros(k, 0, dtype=torch.bool, device=device)  # [k, E] draft entries fed so far
+        self.count = k
+
+    def visible(self, width: int | None = None) -> torch.Tensor:
+        """[k, E + width]: the draft entries each frontier node may attend to (its ancestors, then itself among
+        the `width` new slots; width defaults to k)."""
+        own = torch.eye(self.k, width or self.k, dtype=torch.bool, device=self.ancestry.device)
+        return torch.cat([self.ancestry, own], dim=1)
+
+    def grow(self, child_logp: torch.Tensor, child_tokens: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """child_logp, child_tokens: [k, k] the frontier's children; width: as visible's, the slots the level fed
+        -> rows [k]: which frontier node each new frontier node descends from."""
+        k = self.k
+        child_scores = self.frontier_scores[:, None] + child_logp  # [k, k]
+        self.scores.append(child_scores.flatten())
+        self.tokens.append(child_tokens.flatten())
+        self.parents.append(self.frontier.repeat_interleave(k))
+        best = child_scores.flatten().topk(k).indices  # [k] flat indices into [k, k]
+        rows = best // k
+        self.frontier = self.count + best
+        self.count += k * k
+        self.frontier_scores, self.frontier_tokens = child_scores.flatten()[best], child_tokens.flatten()[best]
+        self.ancestry = self.visible(width)[rows]
+        return rows
+
+    def tree(self, root: int, total_tokens: int) -> tuple[DraftTree, Candidates]:
+        """The best `total_tokens` candidates under `root`, and every candidate considered."""
+        device = self.frontier.device
+        candidates = Candidates(torch.cat(self.scores), torch.cat(self.parents), torch.cat(self.tokens))
+        kept, parents = select_best(candidates.scores, candidates.parents, total_tokens)
+        tokens = torch.cat([torch.tensor([root], device=device), candidates.tokens[kept]])
+        parents = torch.cat([torch.tensor([-1], device=device), parents])
+        return build_tree(tokens, parents), candidates
+
+
 Expand = Callable[[int, torch.Tensor, "torch.Tensor | None", torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def grow_dynamic_tree(root: int, scores: torch.Tensor, tokens: torch.Tensor, depth: int, total_tokens: int,
                       expand: Expand) -> tuple[DraftTree, Candidates]:
-    """EAGLE-2's dynamic tree, for any drafter that scores a frontier of k nodes in one step.
+    """EAGLE-2's dynamic tree (TreeGrowth), for any drafter that scores a frontier of k nodes in one step.
 
     scores, tokens: [k] the root's children (log-probabilities, target token ids).
     expand(level, frontier_tokens [k], rows, visible [k, E + k]) -> (child log-probs [k, k], child
     tokens [k, k]) drafts the children of the frontier at `level` (1 = the root's children): rows
     [k] says which row of the previous expand call each frontier node came from (None at level 1),
     and visible which of the E draft entries fed so far, plus the k new ones, each node may attend
-    to (its ancestors and itself). Keeps the best k of the k*k children as the next frontier, then
-    the best `total_tokens` of all candidates as the tree.
+    to (its ancestors and itself).
     """
-    device = scores.device
-    k = scores.numel()
-    all_scores, all_tokens = [scores], [tokens]
-    all_parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
-    frontier = torch.arange(k, device=device)  # candidate ids of the frontier
-    frontier_scores, frontier_tokens = scores, tokens  # [k]
-    ancestry = torch.zeros(k, 0, dtype=torch.bool, device=device)  # [k, draft entries so far]
-    rows, n_candidates = None, k
+    growth, rows = TreeGrowth(scores, tokens), None
     for level in range(1, depth):
-        visible = torch.cat([ancestry, torch.eye(k, dtype=torch.bool, device=device)], dim=1)  # [k, E + k]
-        child_logp, child_tokens = expand(level, frontier_tokens, rows, visible)  # [k, k] each
-        child_scores = frontier_scores[:, None] + child_logp  # [k, k]
-        all_scores.append(child_scores.flatten())
-        all_tokens.append(child_tokens.flatten())
-        all_parents.append(frontier.repeat_interleave(k))
-        best = child_scores.flatten().topk(k).indices  # [k] flat indices into [k, k]
-        rows = best // k
-        frontier = n_candidates + best
-        n_candidates += k * k
-        frontier_scores, frontier_tokens = child_scores.flatten()[best], child_tokens.flatten()[best]
-        ancestry = visible[rows]
-    candidates = Candidates(torch.cat(all_scores), torch.cat(all_parents), torch.cat(all_tokens))
-    kept, parents = select_best(candidates.scores, candidates.parents, total_tokens)
-    tokens = torch.cat([torch.tensor([root], device=device), candidates.tokens[kept]])
-    parents = torch.cat([torch.tensor([-1], device=device), parents])
-    return build_tree(tokens, parents), candidates
-
-
+        child_logp, child_tokens = expand(level, growth.frontier_tokens, rows, growth.visible())  # [k, k] each
+        rows = growth.grow(child_logp, child_tokens)
+    return growth.tree(root, total_tokens)

@@ -2,7 +2,7 @@
 
 At batch B, per-sequence drafting runs B x depth small head forwards a round. Here the rows
 that share a head (the server's forks of one prototype) draft together, in a padded head cache
-kept between rounds while the same sequences share it (as batch.PaddedBatch keeps the target's):
+kept between rounds while the same sequences share it:
 
   keys/values  (B, kvH, W + ..., D)  W = max c_i; row i holds its c_i committed pairs in [0, c_i)
   step 1       (B, P) tokens, (B, P, F) unseen features, right-padded; positions c_i + j; mask
@@ -13,8 +13,8 @@ kept between rounds while the same sequences share it (as batch.PaddedBatch keep
                c_i + l - 1; mask (B, 1, K, W + E + K): row i's past, then the draft entries E
                of earlier levels (K slots a level) it descends from, and itself. Padded queries
                (k_i < K, or a row whose tree is shallower) see only themselves.
-Candidate selection (top-k, select_best, build_tree, the n-gram merge) runs per row, exactly as
-EagleDrafter._draft_eagle and .draft do, so each row gets the tree its drafter builds alone, up
+Candidate selection (drafters.growth.TreeGrowth, the n-gram merge) runs per row, exactly as
+EagleDrafter.draft does, so each row gets the tree its drafter builds alone, up
 to the float rounding of a padded forward. Frontier entries are cut at the next round.
 
 Each drafter's `committed` stays current; its own HeadKVCache is stale while it is a member and
@@ -31,10 +31,10 @@ import torch
 from eagle_lab.decoding.cache import move_row_entries
 from eagle_lab.models.target import additive_mask
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import Candidates
+from eagle_lab.drafters.growth import TreeGrowth
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache
 from eagle_lab.serving.sequence import Sequence
-from eagle_lab.decoding.tree import DraftTree, build_tree, root_only_tree, select_best
+from eagle_lab.decoding.tree import DraftTree, root_only_tree
 
 
 def runs_head(sequence: Sequence) -> bool:
@@ -47,57 +47,32 @@ def runs_head(sequence: Sequence) -> bool:
 
 
 class Row:
-    """One sequence's tree growth during a batched round (EagleDrafter._draft_eagle's loop state)."""
+    """One sequence's tree growth during a batched round (the TreeGrowth that EagleDrafter.draft's loop grows)."""
 
     def __init__(self, sequence: Sequence, max_depth: int):
         self.sequence, self.drafter, self.max_depth = sequence, sequence.drafter, max_depth
         shape = self.drafter.shape
         self.depth = min(shape.depth, max_depth)  # levels drafted; < 1: commit only, the tree is the root
         self.k = min(shape.topk, self.drafter.head.arch.draft_vocab_size)
+        self.growth: TreeGrowth | None = None
 
     def start(self, hidden: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor) -> None:
         """hidden [H] at the root; scores, tokens [k]: the root's children."""
-        k, device = self.k, scores.device
-        self.scores, self.tokens = [scores], [tokens]
-        self.parents = [torch.full((k,), -1, dtype=torch.long, device=device)]
-        self.frontier = torch.arange(k, device=device)  # candidate ids of the frontier
-        self.frontier_scores, self.frontier_tokens = scores, tokens  # [k]
-        self.parent_hidden = hidden[None].expand(k, -1)  # [k, H]
-        self.ancestry = torch.zeros(k, 0, dtype=torch.bool, device=device)  # [k, E] padded draft entries
-        self.count = k
-
-    def visible(self, width: int) -> torch.Tensor:
-        """[k, E + width]: the draft entries each frontier node sees (its ancestors, then itself)."""
-        own = torch.eye(self.k, width, dtype=torch.bool, device=self.ancestry.device)
-        return torch.cat([self.ancestry, own], dim=1)
+        self.growth = TreeGrowth(scores, tokens)
+        self.parent_hidden = hidden[None].expand(self.k, -1)  # [k, H]
 
     def grow(self, out: torch.Tensor, child_logp: torch.Tensor, child_tokens: torch.Tensor, width: int) -> None:
-        """out [k, H] head outputs at the frontier; child_logp, child_tokens [k, k]."""
-        k = self.k
-        child_scores = self.frontier_scores[:, None] + child_logp  # [k, k]
-        self.scores.append(child_scores.flatten())
-        self.tokens.append(child_tokens.flatten())
-        self.parents.append(self.frontier.repeat_interleave(k))
-        best = child_scores.flatten().topk(k).indices  # [k] flat indices into [k, k]
-        rows = best // k
-        self.frontier = self.count + best
-        self.count += k * k
-        self.frontier_scores, self.frontier_tokens = child_scores.flatten()[best], child_tokens.flatten()[best]
-        self.parent_hidden = out[rows]
-        self.ancestry = self.visible(width)[rows]
+        """out [k, H] head outputs at the frontier; child_logp, child_tokens [k, k]; width: the level's slots."""
+        self.parent_hidden = out[self.growth.grow(child_logp, child_tokens, width)]
 
     def tree(self) -> DraftTree:
         """The kept candidates as a tree, with the n-gram chain merged (EagleDrafter.draft)."""
         sequence, drafter = self.sequence.sequence, self.drafter
-        device, root = sequence.device, int(sequence[-1])
+        root = int(sequence[-1])
         if self.depth < 1:
-            tree = root_only_tree(root, device)
+            tree = root_only_tree(root, sequence.device)
         else:
-            scores, parents, tokens = torch.cat(self.scores), torch.cat(self.parents), torch.cat(self.tokens)
-            drafter.last_candidates = Candidates(scores, parents, tokens)
-            kept, new_parents = select_best(scores, parents, drafter.shape.total_tokens)
-            tree = build_tree(torch.cat([torch.tensor([root], device=device), tokens[kept]]),
-                              torch.cat([torch.tensor([-1], device=device), new_parents]))
+            tree, drafter.last_candidates = self.growth.tree(root, drafter.shape.total_tokens)
         return drafter.merge_ngram_chain(tree, sequence, self.max_depth)
 
 
@@ -212,10 +187,10 @@ class HeadBatch:
             allowed[:, :, width + entries:] = torch.eye(slots, dtype=torch.bool, device=device)  # itself
             for i in live:
                 row = rows[i]
-                tokens[i, :row.k], features[i, :row.k] = row.frontier_tokens, row.parent_hidden
+                tokens[i, :row.k], features[i, :row.k] = row.growth.frontier_tokens, row.parent_hidden
                 positions[i] = row.drafter.committed + level - 1
                 allowed[i, :row.k, :row.drafter.committed] = True
-                allowed[i, :row.k, width:] = row.visible(slots)
+                allowed[i, :row.k, width:] = row.growth.visible(slots)
             out = self._forward(drafter, tokens, features, positions, allowed, True)  # [B, K, H]
             outs = [out[i, :rows[i].k] for i in live]  # [k_i, H] each
             for i, hidden, (logp, child_tokens) in zip(live, outs, self._top_children(outs, [rows[i] for i in live])):
@@ -251,13 +226,15 @@ class BatchDrafter:
             batch.release()
 
     @torch.no_grad()
-    def draft(self, sequences: list[Sequence], shape=None) -> list[Exception | None]:
-        """Set every sequence's tree for this round (shape: Sequence.draft's); -> per sequence None,
-        or the exception that failed it (a failed batched draft fails every row in it)."""
+    def draft(self, sequences: list[Sequence], shapes: list | None = None) -> list[Exception | None]:
+        """Set every sequence's tree for this round (shapes: one per sequence, Sequence.draft's; None: each
+        its own); -> per sequence None, or the exception that failed it (a failed batched draft fails every
+        row in it)."""
+        shapes = shapes if shapes is not None else [None] * len(sequences)
         errors: list[Exception | None] = [None] * len(sequences)
         alone: list[tuple[int, int]] = []  # (index, max_depth) of rows drafting on their own
         groups: dict[int, list[tuple[int, int]]] = {}  # id(head) -> rows sharing it
-        for index, sequence in enumerate(sequences):
+        for index, (sequence, shape) in enumerate(zip(sequences, shapes)):
             try:
                 max_depth = sequence.prepare_draft(shape)
                 if max_depth is not None:

@@ -22,21 +22,12 @@ from eagle_lab.drafters.medusa.drafter import MedusaDrafter
 from eagle_lab.drafters.ngram import NgramDrafter
 
 
-def fork_eagle(prototype: EagleDrafter) -> EagleDrafter:
-    """A drafter sharing the prototype's head, shape and n-gram proposer, with fresh sequence state."""
-    fork = copy.copy(prototype)  # shallow: module, target, shape, lm_weight, ngram shared
-    fork.cache = prototype.new_cache()
-    fork.committed = 0
-    fork.last_candidates = None
-    return fork
-
-
 def drafter_factory(prototype: Drafter | None) -> Callable[[], Drafter | None]:
     """What each new sequence calls for its drafter (None: method=vanilla)."""
     if prototype is None:
         return lambda: None
     if isinstance(prototype, EagleDrafter):
-        return lambda: fork_eagle(prototype)
+        return prototype.fork
     if isinstance(prototype, MedusaDrafter):  # no state between rounds but its last candidates
         return lambda: copy.copy(prototype)
     if isinstance(prototype, DraftModelDrafter):  # the draft LM's weights shared, a cache per sequence

@@ -31,7 +31,8 @@ from eagle_lab.serving.text_stream import TextStream
 from eagle_lab.serving.http_errors import APIError
 from eagle_lab.serving.protocol import MAX_STOP_STRINGS, NEUTRAL, ROLES, SEED_RANGE, ChatRequest, \
     CompletionRequest, SamplingFields
-from eagle_lab.serving.sequence import Scored, Sequence
+from eagle_lab.decoding.static_rows import RowScore
+from eagle_lab.serving.sequence import Sequence
 from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
@@ -84,11 +85,11 @@ class _Collector:
 
 class Engine:
     def __init__(self, cfg: ServeConfig, target: Target, new_drafter: Callable[[], Drafter | None],
-                 rows: StaticRows | None = None):
-        """rows: compiled decoding's shared static cache (every sequence takes a row); None: eager, dynamic caches."""
+                 rows: StaticRows):
+        """rows: the static cache every sequence takes a row of (eagle_lab.decoding.static_rows)."""
         self.cfg, self.target, self.new_drafter, self.rows = cfg, target, new_drafter, rows
         self.model_name = target.name
-        self.context = rows.context if rows is not None else target.max_context
+        self.context = rows.context
 
     # ---- HTTP side: checks, tokenization ----
 
@@ -198,9 +199,8 @@ class Decoding:
     def prefill(self) -> list[Delta | Finished]:
         return self._events(self.sequence.prefill())
 
-    def accept(self, scored: Scored, verdict=None) -> list[Delta | Finished]:
-        """verdict: this round's verification result, when the batched round walked it (Sequence.accept)."""
-        return self._events(self.sequence.accept(scored, verdict))
+    def accept(self, scored: RowScore) -> list[Delta | Finished]:
+        return self._events(self.sequence.accept(scored))
 
     def close(self) -> None:
         """Cancelled or failed: free the caches now."""

@@ -11,19 +11,19 @@ import logging
 import signal
 import socket
 
-from eagle_lab.builders import make_drafter, ngram_proposer
+from eagle_lab.builders import make_drafter
 from eagle_lab.config import ServeConfig, ServerConfig
-from eagle_lab.decoding.backend import StaticBackend, build_backend
+from eagle_lab.decoding.backend import DecodingConfig, StaticBackend, build_backend
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
+from eagle_lab.serving.scheduler import ModelThread
 from eagle_lab.models.target import load_target
-from eagle_lab.serving.static_trees import build_row_graphs, trees_on_rows
-from eagle_lab.serving.tree_per_batch import trees_per_batch
+from eagle_lab.serving.batch_trees import BatchTrees, choose_batch_trees
+from eagle_lab.serving.timed_batch import build_row_graphs
 from eagle_lab.tree_search.auto import calibration_prompts
 from eagle_lab.tree_search.space import TreeSearchConfig
 
@@ -60,20 +60,22 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_app(cfg: ServeConfig):
-    """Load the target (and head), then the engine, scheduler and FastAPI app. Also used by tests."""
+def build_app(cfg: ServeConfig, model_thread: ModelThread | None = None):
+    """Load the target (and head), then the engine, scheduler and FastAPI app. Also used by tests.
+    model_thread: the thread this runs on, where the scheduler's loop is to run too (None: a thread of its own)."""
     from eagle_lab.serving.app import create_app  # fastapi is an optional extra: imported only to serve
 
     target = load_target(cfg.target)
     backend, rows, prototype, trees = prepare_decoding(cfg, target)
     engine = Engine(cfg, target, drafter_factory(prototype), rows)
-    scheduler = BatchScheduler(cfg.server.max_batch, cfg.server.max_queue, target, trees, rows=rows)
+    scheduler = BatchScheduler(cfg.server.max_batch, cfg.server.max_queue, target, rows, trees,
+                               model_thread=model_thread)
     return create_app(engine, scheduler, cfg.server.api_key), engine, scheduler
 
 
 def prepare_decoding(cfg: ServeConfig, target):
-    """Everything the server decodes with, ready before it listens: the backend, the static rows (compiled),
-    the prototype drafter and the tree per batch size. Compiled, every graph a request may need is built (or
+    """Everything the server decodes with, ready before it listens: the backend, the static rows, the
+    prototype drafter and the tree per batch size. Compiled, every graph a request may need is built (or
     loaded) here, then building stops: a missing one later runs eagerly, and no request waits for a compile.
     `python -m eagle_lab.compile` calls it too, so that a server's start only loads."""
     backend = build_backend(target, cfg.compile, cfg.decoding, compile_ahead=True)
@@ -81,7 +83,7 @@ def prepare_decoding(cfg: ServeConfig, target):
     # requests choose their temperature: a tree for greedy decoding and for each temperature tree=auto prices
     prototype = make_drafter(cfg, target, backend, temperatures=SERVER_TEMPERATURES)
     eagle = prototype if isinstance(prototype, EagleDrafter) else None
-    if rows is not None and (eagle is not None or prototype is None):
+    if rows.backend.compiled and (eagle is not None or prototype is None):
         build_row_graphs(target, eagle, rows, calibration_prompts(target)[0])
     trees = batch_trees(cfg, target, prototype, rows)
     if isinstance(backend, StaticBackend):
@@ -91,31 +93,25 @@ def prepare_decoding(cfg: ServeConfig, target):
     return backend, rows, prototype, trees
 
 
-def serving_rows(backend, max_batch: int, context: int) -> StaticRows | None:
-    """Compiled decoding: one static cache of max_batch rows of `context` tokens that every sequence
-    decodes in (eagle_lab/decoding/static_rows.py); eager: None (each sequence its own dynamic cache)."""
+def serving_rows(backend, max_batch: int, context: int) -> StaticRows:
+    """One static cache of max_batch rows of `context` tokens that every sequence decodes in
+    (eagle_lab/decoding/static_rows.py): the backend's compiled step, or an eager static step when the
+    backend is eager."""
     if not isinstance(backend, StaticBackend):
-        return None
-    log.info("compiled decoding: %d rows of %d tokens in one static cache", max_batch, context)
+        backend = StaticBackend(backend.target, DecodingConfig().buckets, compiled=False)
+    log.info("%s decoding: %d rows of %d tokens in one static cache", backend.name, max_batch, context)
     return StaticRows(backend, max_batch, context, token_buckets=[1, *backend.buckets])
 
 
-def batch_trees(cfg: ServeConfig, target, prototype, rows: StaticRows | None = None) -> dict:
-    """tree=auto with server.tree_per_batch: the tree for each batch size (eagle_lab/serving/tree_per_batch.py;
-    compiled, eagle_lab/serving/static_trees.py); else {} (every sequence drafts the drafter's own tree)."""
+def batch_trees(cfg: ServeConfig, target, prototype, rows: StaticRows) -> BatchTrees:
+    """tree=auto with server.tree_per_batch: the tree policy at batch >= 2 (eagle_lab/serving/batch_trees.py);
+    otherwise every sequence drafts its own tree at every batch size."""
     if not (cfg.tree.auto and cfg.server.tree_per_batch and isinstance(prototype, EagleDrafter)):
-        return {}
-    if rows is not None:
-        log.info("tree=auto: timing the batch-1 tree against plain decoding at each batch size up to %d, compiled",
-                 cfg.server.max_batch)
-        return trees_on_rows(target, prototype, rows, cfg.server.max_batch, calibration_prompts(target),
-                             TreeSearchConfig().new_tokens, cfg.tree.batch_min_gain)
-    fixed = TreeShape(cfg.tree.depth, cfg.tree.topk, cfg.tree.total_tokens)
-    log.info("tree=auto: choosing a tree for each batch size up to %d before listening (timed once per target, "
-             "head and device, then cached; a few minutes on a 2-core CPU the first time)", cfg.server.max_batch)
-    calibrated = ngram_proposer(cfg.ngram) if cfg.ngram.enabled and cfg.method == "eagle" else None
-    return trees_per_batch(target, prototype, fixed, cfg.server.max_batch, ngram=calibrated,
-                           min_gain=cfg.tree.batch_min_gain)
+        return BatchTrees.own()
+    log.info("tree=auto: timing each temperature's tree against plain decoding at each batch size up to %d (%s)",
+             cfg.server.max_batch, rows.backend.name)
+    return choose_batch_trees(target, prototype, rows, cfg.server.max_batch, calibration_prompts(target),
+                              TreeSearchConfig().new_tokens, cfg.tree.batch_min_gain)
 
 
 def run_server(cfg: ServeConfig) -> None:
@@ -128,7 +124,8 @@ def run_server(cfg: ServeConfig) -> None:
                             "pip install -e '.[server]'") from exc
     sock = bind(cfg.server.host, cfg.server.port)
 
-    app, engine, _ = build_app(cfg)
+    model_thread = ModelThread()  # loads the model, then runs the scheduler's loop: one thread runs the model
+    app, engine, _ = model_thread.run(build_app, cfg, model_thread)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     log.info("serving %s (method=%s) on http://%s:%d/v1 (max_batch %d, max_queue %d%s)", engine.model_name,

@@ -1,71 +1,82 @@
 """Time the server's batched round in place: B sequences decoding together, no HTTP, no threads.
 
-eagle_lab.serving.tree_per_batch prices each tree at batch B from parts measured one by one (a padded
-forward, batched drafting, batch-1 bookkeeping per row). The round the scheduler really runs
-has costs those parts miss (per-row verification and compaction on the padded cache, Python
-per row), so the model's choice at B is checked here: the B sequences run the scheduler's
-steps (eagle_lab.serving.batching) for each candidate tree and the measured tokens/s decide.
+The tree policy (eagle_lab.serving.batch_trees) decides between drafting and plain decoding at each
+batch size by running the scheduler's own steps (eagle_lab.serving.batching) on calibration prompts:
+batched drafting, one forward of the static rows, each row's verification and commit.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
-from eagle_lab.decoding.static_rows import StaticRows
-from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import BatchTree
+from eagle_lab.builders import make_generator
 from eagle_lab.decoding.generate import Stopper
 from eagle_lab.decoding.sampling import SamplingParams
-from eagle_lab.serving.batch import PaddedBatch
-from eagle_lab.serving.batch_draft import BatchDrafter
-from eagle_lab.serving.drafters import fork_eagle
-from eagle_lab.serving.sequence import Sequence, score_rows
+from eagle_lab.decoding.static_rows import StaticRows
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import BatchTree, TreeShape
 from eagle_lab.models.target import Target
-from eagle_lab.decoding.verify import verify_rows
+from eagle_lab.serving.batch_draft import BatchDrafter
+from eagle_lab.serving.sequence import Sequence, score_rows
+
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def timed_batch_decoding(target: Target, prototype: EagleDrafter | None, prompts: list[list[int]], tree: BatchTree,
-                         new_tokens: int, rows: StaticRows | None = None) -> dict:
-    """Greedy decoding of len(prompts) sequences in one batch, every round with `tree`, until the
-    first sequence has `new_tokens` (so the batch size never changes; eos is ignored). Prefills
-    are not timed. -> {"tokens", "rounds", "seconds"} summed over the batch's rounds, and "outputs": each
-    sequence's tokens (greedy, so a tree changes how fast they come, never which).
-    rows: the static path's shared cache (compiled decoding), as the scheduler would use it.
-    prototype None: plain decoding (`tree` is then PLAIN)."""
-    sequences = [Sequence(target, fork_eagle(prototype) if prototype is not None else None, torch.tensor(ids, device=target.device), SamplingParams(),
-                          Stopper(target.tokenizer, new_tokens, set()), None, rows=rows) for ids in prompts]
+def timed_batch_decoding(target: Target, prototype: EagleDrafter | None, prompts: list[list[int]],
+                         tree: BatchTree | None, new_tokens: int, rows: StaticRows,
+                         params: SamplingParams = SamplingParams(), seed: int = 0) -> dict:
+    """Decoding of len(prompts) sequences in one batch on `rows`, every round with `tree` (None: each
+    drafter's own tree for params' temperature), until the first sequence has `new_tokens` (so the batch
+    size never changes; eos is ignored). Prefills are not timed. -> {"tokens", "rounds", "seconds"} summed
+    over the batch's rounds, and "outputs": each sequence's tokens (sampled rows draw from generators seeded
+    seed, seed + 1, ...). prototype None: plain decoding."""
+    sequences = []
+    for index, ids in enumerate(prompts):
+        drafter = prototype.fork() if prototype is not None else None
+        if drafter is not None:
+            drafter.select(params)  # tree=auto's tree for this temperature, as the engine does for a request
+        generator = None if params.greedy else make_generator(seed + index, target.device)
+        sequences.append(Sequence(target, drafter, torch.tensor(ids, device=target.device), params,
+                                  Stopper(target.tokenizer, new_tokens, set()), generator, rows))
     for sequence in sequences:
         sequence.prefill()
-    drafting, batch = BatchDrafter(), PaddedBatch(target)
+    drafting = BatchDrafter()
     tokens = rounds = 0
     start = time.perf_counter()
     try:
         while not any(s.done for s in sequences):
-            errors = drafting.draft(sequences, tree)
+            errors = drafting.draft(sequences, [tree] * len(sequences))
             failed = next((exc for exc in errors if exc is not None), None)
             if failed is not None:
                 raise failed
-            if rows is not None:  # every node's logits come with the forward
-                scored = score_rows(rows, sequences)
-                verdicts = verify_rows([(s.verification(), row.logits) for s, row in zip(sequences, scored)],
-                                       lambda logits: logits)
-            else:
-                scored = batch.score(sequences)
-                verdicts = verify_rows([(s.verification(), row.features) for s, row in zip(sequences, scored)],
-                                       target.logits)
-            for sequence, row, verdict in zip(sequences, scored, verdicts):
-                if isinstance(verdict, Exception):
-                    raise verdict
-                tokens += len(sequence.accept(row, verdict))
+            for sequence, row in zip(sequences, score_rows(rows, sequences)):
+                tokens += len(sequence.accept(row))
             rounds += 1
     finally:
         drafting.release()
-        batch.drop()
         for sequence in sequences:
             if not sequence.done:
-                sequence.finish("timed")  # gives its static row back
+                sequence.finish("timed")  # gives its row back
     return {"tokens": tokens, "rounds": rounds, "seconds": time.perf_counter() - start,
             "outputs": [list(s.stopper.generated) for s in sequences]}
+
+
+def build_row_graphs(target: Target, drafter: EagleDrafter | None, rows: StaticRows, prompt: list[int]) -> None:
+    """Before a server listens: run every row count's plain step, and the step of each temperature's tree, once
+    on `rows`, so that each compiles (or loads) for every attended length now (the backend's compile_ahead)
+    and no request waits for a compile. Graphs already on disk load in milliseconds. drafter None: a
+    plain-decoding server."""
+    plain = BatchTree(TreeShape(0, 0, 0), 0)
+    temperatures = (sorted({c.temperature for c in drafter.choices}) or [0.0]) if drafter is not None else []
+    counts = rows.buckets
+    prompt = prompt[:max(1, rows.context // 2)]  # room for the steps' tokens
+    for index, count in enumerate(counts, 1):
+        log.info("server graphs [%d/%d]: %d row(s), plain%s step at every attended length", index, len(counts),
+                 count, "" if drafter is None else " and tree")
+        timed_batch_decoding(target, drafter, [prompt] * count, plain, 2, rows)  # the drafter's feature layers
+        for temperature in temperatures:
+            timed_batch_decoding(target, drafter, [prompt] * count, None, 2, rows, SamplingParams(temperature))

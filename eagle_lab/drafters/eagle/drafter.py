@@ -18,6 +18,7 @@ the context is merged into the tree afterwards (eagle_lab/drafters/ngram.py); wi
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 
 import torch
@@ -57,14 +58,25 @@ class EagleDrafter:
     def new_cache(self) -> HeadKVCache:
         return HeadKVCache(min_capacity=self.cache_capacity)
 
-    def select(self, params: SamplingParams) -> None:
-        """Draft the tree tree=auto chose for the temperature nearest to params' (greedy: 0). Call it on
-        a drafter that decodes one sequence at a time; a fixed tree (no choices) stays as it is."""
+    def tree_for(self, params: SamplingParams) -> tuple[TreeShape, NgramProposer | None]:
+        """The tree tree=auto chose for the temperature nearest to params' (greedy: 0); a fixed tree (no
+        choices): the current one."""
         if not self.choices:
-            return
+            return self.shape, self.ngram
         temperature = 0.0 if params.greedy else params.temperature
         choice = min(self.choices, key=lambda c: abs(c.temperature - temperature))
-        self.use_tree(choice.shape, choice.ngram)
+        return choice.shape, choice.ngram
+
+    def select(self, params: SamplingParams) -> None:
+        """Draft tree_for(params) from now on. Call it on a drafter that decodes one sequence at a time."""
+        self.use_tree(*self.tree_for(params))
+
+    def fork(self) -> EagleDrafter:
+        """A drafter for another sequence: the head, target, tree and n-gram proposer shared, fresh sequence
+        state (head cache, committed pairs, last candidates)."""
+        fork = copy.copy(self)  # shallow: module, target, shape, lm_weight, ngram shared
+        fork.cache, fork.committed, fork.last_candidates = self.new_cache(), 0, None
+        return fork
 
     def adopt_choices(self, choices: tuple[TreeChoice, ...]) -> None:
         """tree=auto's trees by temperature: the first is drafted until select() picks another."""

@@ -1,0 +1,128 @@
+"""tree=auto's tree policy for the server: (batch size, temperature) -> the tree a row drafts.
+
+At batch 1 a row drafts its drafter's own tree: tree=auto's choice for the request's temperature
+(EagleDrafter.select). A forward of B rows costs about what one row costs up to a few tokens per
+row, then grows with B x K, so that tree may stop paying as the batch grows. At batch 2, 4, 8 (and
+max_batch), and at each temperature tree=auto chose a tree for, the own tree and plain decoding
+each decode B calibration prompts together in the scheduler's own round on the static rows
+(eagle_lab.serving.timed_batch), sampled rows with seeded generators; the faster wins, the tree only
+when it beats plain decoding by `min_gain`. A batch size between two timed ones takes the choice of
+the next one up; a request's temperature takes the nearest one timed. Compiled, the first timing at
+each B compiles its graphs (minutes the first time; kept on disk). The choices are cached beside
+tree=auto's calibration, keyed by what the timings depend on (tree=auto's fingerprint, the trees,
+the batch sizes, the static rows, the batched round's code), so a restart reuses them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle_lab.decoding.graph_store import source_digest
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.static_rows import StaticRows
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import BatchTree, TreeShape
+from eagle_lab.models.embedded import cache_root
+from eagle_lab.models.target import Target
+from eagle_lab.serving.timed_batch import timed_batch_decoding
+from eagle_lab.tree_search.auto import calibration_fingerprint
+from eagle_lab.tree_search.space import TreeSearchConfig
+
+log = logging.getLogger(__name__)
+PROBE_BATCHES = (2, 4, 8)
+PLAIN = BatchTree(TreeShape(0, 0, 0), 0)
+# The batched round's code: a digest of these files is in the key of the cached choices, so a change
+# that may move the round's cost has them timed again instead of reused.
+ROUND_SOURCES = ("serving/batching.py", "serving/sequence.py", "serving/batch_draft.py", "serving/timed_batch.py",
+                 "serving/batch_trees.py", "decoding/static_rows.py", "decoding/verify.py")
+
+
+@dataclass(frozen=True)
+class BatchTrees:
+    """The choices: for each timed temperature, the batch sizes >= 2 at which rows decode without drafts.
+    No temperatures: every row drafts its own tree at every batch size."""
+
+    plain_at: dict[float, frozenset[int]] = field(default_factory=dict)
+
+    @classmethod
+    def own(cls) -> BatchTrees:
+        return cls()
+
+    def tree(self, batch: int, params: SamplingParams) -> BatchTree | None:
+        """The tree a row with these sampling parameters drafts in a round of `batch` rows (None: its own)."""
+        if batch < 2 or not self.plain_at:
+            return None
+        temperature = 0.0 if params.greedy else params.temperature
+        nearest = min(self.plain_at, key=lambda t: abs(t - temperature))
+        return PLAIN if batch in self.plain_at[nearest] else None
+
+
+def choose_batch_trees(target: Target, drafter: EagleDrafter, rows: StaticRows, max_batch: int,
+                       prompts: list[list[int]], new_tokens: int, min_gain: float = 1.0) -> BatchTrees:
+    """Time the own tree against plain decoding at each probed batch size and temperature (see the module doc)."""
+    if max_batch < 2:
+        return BatchTrees.own()
+    sizes = sorted({b for b in PROBE_BATCHES if b < max_batch} | {max_batch})
+    temperatures = sorted({choice.temperature for choice in drafter.choices}) or [0.0]
+    path = _choice_path(target, drafter, rows, sizes, new_tokens, min_gain)
+    if path.is_file():
+        names = {float(t): {int(b): name for b, name in by_batch.items()}
+                 for t, by_batch in json.loads(path.read_text()).items()}
+        log.info("tree per batch size (cached in %s): %s", path, _summary(names))
+    else:
+        names = {t: _timed_choices(target, drafter, rows, sizes, t, prompts, new_tokens, min_gain)
+                 for t in temperatures}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({str(t): by_batch for t, by_batch in names.items()}, indent=1))
+    return BatchTrees({t: frozenset(batch for batch in range(2, max_batch + 1)
+                                    if by_batch[next(b for b in sizes if b >= batch)] == "plain")
+                       for t, by_batch in names.items()})
+
+
+def _timed_choices(target: Target, drafter: EagleDrafter, rows: StaticRows, sizes: list[int], temperature: float,
+                   prompts: list[list[int]], new_tokens: int, min_gain: float) -> dict[int, str]:
+    """batch size -> 'tree' or 'plain' at this temperature ('tree' without timing when the own tree is plain)."""
+    params = SamplingParams(temperature)
+    if not _drafts(drafter, params):
+        return {batch: "tree" for batch in sizes}  # the own tree is plain decoding already
+    choices = {}
+    for batch in sizes:
+        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+        speed, tau = {}, {}
+        for name, tree in (("tree", None), ("plain", PLAIN)):
+            timed_batch_decoding(target, drafter, batch_prompts, tree, 4, rows, params)  # warm-up: builds graphs
+            timing = timed_batch_decoding(target, drafter, batch_prompts, tree, new_tokens, rows, params)
+            speed[name] = timing["tokens"] / max(timing["seconds"], 1e-9)
+            tau[name] = timing["tokens"] / max(timing["rounds"] * batch, 1)
+        choices[batch] = "tree" if speed["tree"] >= min_gain * speed["plain"] else "plain"
+        log.info("tree per batch size: T=%g, batch %d: own tree %.1f tok/s (tau %.2f), plain %.1f tok/s; chose %s",
+                 temperature, batch, speed["tree"], tau["tree"], speed["plain"], choices[batch])
+    return choices
+
+
+def _drafts(drafter: EagleDrafter, params: SamplingParams) -> bool:
+    """Whether the drafter's own tree for these parameters drafts anything."""
+    shape, ngram = drafter.tree_for(params)
+    return shape.depth > 0 or ngram is not None
+
+
+def _summary(names: dict[float, dict[int, str]]) -> str:
+    return "; ".join(f"T={t:g}: " + ", ".join(f"batch {b} {name}" for b, name in sorted(by_batch.items()))
+                     for t, by_batch in sorted(names.items()))
+
+
+def _choice_path(target: Target, drafter: EagleDrafter, rows: StaticRows, sizes: list[int], new_tokens: int,
+                 min_gain: float) -> Path:
+    trees = [[c.temperature, c.shape.depth, c.shape.topk, c.shape.total_tokens,
+              c.ngram.max_tokens if c.ngram is not None else None] for c in drafter.choices]
+    own = [drafter.shape.depth, drafter.shape.topk, drafter.shape.total_tokens,
+           drafter.ngram.max_tokens if drafter.ngram is not None else None]
+    fields = {"calibration": calibration_fingerprint(target, drafter, TreeSearchConfig(), drafter.ngram, rows.backend),
+              "trees": trees or [own], "sizes": sizes, "rows": [len(rows.rows), rows.capacity, rows.backend.name],
+              "new_tokens": new_tokens, "min_gain": min_gain, "round": source_digest(ROUND_SOURCES)}
+    blob = json.dumps(fields, sort_keys=True, default=str)
+    return cache_root() / "tree_auto" / f"{target.name}-rows-{hashlib.sha1(blob.encode()).hexdigest()[:16]}.json"
