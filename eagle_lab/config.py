@@ -92,10 +92,10 @@ class ServerConfig:
     api_key: str = ""  # "" = no key; else clients send "Authorization: Bearer <key>"
     max_batch: int = 8  # sequences decoded at once (one target forward scores all their trees)
     max_queue: int = 64  # requests waiting for a slot; one more is answered 429
-    # tree=auto: a tree per batch size, shrinking as the batch grows (eagle_lab/serving/tree_per_batch.py)
+    # tree=auto: per batch size and temperature, the batch-1 tree or plain decoding (eagle_lab/serving/batch_trees.py)
     tree_per_batch: bool = True
-    # compiled decoding: the most tokens (prompt + completion) one request may hold; each of the
-    # max_batch rows of the static cache is sized for it (the eager path uses the target's context)
+    # the most tokens (prompt + completion) one request may hold; each of the max_batch rows of the
+    # static cache is sized for it
     context: int = 2048
 
 

@@ -100,7 +100,11 @@ def serving_rows(backend, max_batch: int, context: int) -> StaticRows:
     if not isinstance(backend, StaticBackend):
         backend = StaticBackend(backend.target, DecodingConfig().buckets, compiled=False)
     log.info("%s decoding: %d rows of %d tokens in one static cache", backend.name, max_batch, context)
-    return StaticRows(backend, max_batch, context, token_buckets=[1, *backend.buckets])
+    try:
+        return StaticRows(backend, max_batch, context, token_buckets=[1, *backend.buckets])
+    except EagleLabError as exc:
+        raise EagleLabError(f"the server decodes in one static cache: {exc.args[0].split(';')[0]}; "
+                            "serve.py with a prompt (compile=false) decodes this target") from exc
 
 
 def batch_trees(cfg: ServeConfig, target, prototype, rows: StaticRows) -> BatchTrees:
