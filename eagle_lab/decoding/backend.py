@@ -19,8 +19,9 @@ import torch
 
 from eagle_lab.decoding.compiled import StepCompiler, can_compile, choose
 from eagle_lab.decoding.graph_store import GraphStore
-from eagle_lab.decoding.scoring import DynamicScorer, Scorer, StaticScorer
+from eagle_lab.decoding.scoring import DynamicScorer, Scorer
 from eagle_lab.decoding.static_cache import EAGER_BLOCK, StaticKVCache
+from eagle_lab.decoding.static_rows import RowScorer, StaticRows
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import Target, additive_mask
 
@@ -119,8 +120,9 @@ class StaticBackend:
         self.build = self._steps.build = False
 
     def open(self, prompt_tokens: int, max_new_tokens: int, layer_ids: tuple[int, ...] = ()) -> Scorer:
-        capacity = self._round_capacity(prompt_tokens + max_new_tokens + self.slack)
-        return StaticScorer(self, max(capacity, self.min_capacity), layer_ids)
+        capacity = max(self._round_capacity(prompt_tokens + max_new_tokens + self.slack), self.min_capacity)
+        rows = StaticRows(self, 1, capacity, cache=self.cache_for(capacity))  # one row: the batch path at B = 1
+        return RowScorer(rows, layer_ids)
 
     def _round_capacity(self, need: int) -> int:
         """`need` positions rounded up to a block, at most the target's context plus the slack."""

@@ -24,14 +24,33 @@ L positions, so a round's cost follows the longest sequence, not the cache's cap
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from eagle_lab.models.target import additive_mask
-from eagle_lab.decoding.backend import StaticBackend
+from eagle_lab.decoding.scoring import Scored
 from eagle_lab.decoding.static_cache import StaticKVCache
+from eagle_lab.models.target import Target, additive_mask
 from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.tree import DraftTree
+
+class StepBackend(Protocol):
+    """What the rows need of eagle_lab.decoding.backend.StaticBackend: its target, cache sizing, and the eager
+    prefill and fixed-shape step over a cache view."""
+
+    target: Target
+    compiled: bool
+    cache_block: int
+    slack: int
+
+    def bucket(self, count: int) -> int: ...
+
+    def attended_length(self, needed: int, capacity: int, rows: int, tokens: int,
+                        layer_ids: tuple[int, ...] = ()) -> int: ...
+
+    def prefill(self, cache: StaticKVCache, row: int, prompt_ids: torch.Tensor, layer_ids: tuple[int, ...]): ...
+
+    def step(self, cache: StaticKVCache, start: int, length: int, input_ids, positions, mask, layer_ids): ...
 
 
 @dataclass
@@ -61,17 +80,24 @@ def row_buckets(rows: int) -> list[int]:
 
 
 class StaticRows:
-    def __init__(self, backend: StaticBackend, rows: int, context: int, token_buckets: list[int] | None = None,
-                 row_counts: list[int] | None = None):
+    def __init__(self, backend: StepBackend, rows: int, context: int, token_buckets: list[int] | None = None,
+                 row_counts: list[int] | None = None, cache: StaticKVCache | None = None):
         """context: the most tokens (prompt + generated) one sequence may hold.
-        row_counts: the row counts a forward may run at (default: powers of two, then `rows`)."""
+        row_counts: the row counts a forward may run at (default: powers of two, then `rows`).
+        cache: an existing cache of `rows` rows to decode in (the backend's one-sequence caches); context is
+        then what its capacity holds."""
         if rows < 1:
             raise EagleLabError(f"a static batch needs at least one row, got {rows}")
         self.backend, self.target = backend, backend.target
-        self.context = min(context, self.target.max_context)
-        block = backend.cache_block
-        self.capacity = -(-(self.context + backend.slack) // block) * block
-        self.cache = StaticKVCache(self.target.config, self.capacity, self.target.device, self.target.dtype, rows=rows)
+        if cache is not None:
+            self.capacity, self.cache = cache.capacity, cache
+            self.context = min(context, self.capacity - backend.slack, self.target.max_context)
+        else:
+            self.context = min(context, self.target.max_context)
+            block = backend.cache_block
+            self.capacity = -(-(self.context + backend.slack) // block) * block
+            self.cache = StaticKVCache(self.target.config, self.capacity, self.target.device, self.target.dtype,
+                                       rows=rows)
         if row_counts is not None and not all(0 < count <= rows for count in row_counts):
             raise EagleLabError(f"row counts must lie in [1, {rows}], got {list(row_counts)}")
         self.buckets = row_buckets(rows) if row_counts is None else sorted(set(row_counts) | {rows})
@@ -116,12 +142,17 @@ class StaticRows:
     @torch.no_grad()
     def score(self, rows: list[Row], trees: list[DraftTree], layer_ids: tuple[int, ...] = ()) -> list[RowScore]:
         """One forward over every row's tree (rows: attached, in any order) -> one RowScore per row."""
+        return self.score_nodes(rows, [(tree.tokens, tree.depths, tree.mask) for tree in trees], layer_ids)
+
+    @torch.no_grad()
+    def score_nodes(self, rows: list[Row], nodes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                    layer_ids: tuple[int, ...] = ()) -> list[RowScore]:
+        """score() for nodes given as (tokens [n], depths [n], ancestor-or-self mask [n, n]) per row."""
         in_use = self.pack()
         device, dtype = self.target.device, self.target.dtype
         batch = next(size for size in self.buckets if size >= in_use)
         width = max(row.past for row in self.rows[:in_use])  # P: no row's committed entries lie past it
-        nodes = max(tree.size for tree in trees)
-        tokens_per_row = self._token_bucket(nodes)
+        tokens_per_row = self._token_bucket(max(tokens.numel() for tokens, _, _ in nodes))
         if width + tokens_per_row > self.capacity:
             raise EagleLabError(f"the static batch cache ({self.capacity}) cannot hold {tokens_per_row} more tokens "
                                 f"after {width}")
@@ -131,18 +162,18 @@ class StaticRows:
         positions = (width + columns).repeat(batch, 1)  # (B, K)
         allowed = torch.zeros(batch, tokens_per_row, length, dtype=torch.bool, device=device)  # (B, K, L)
         allowed[:, columns, width + columns] = True  # padding sees itself
-        for row, tree in zip(rows, trees):
-            n, i = tree.size, row.index
-            input_ids[i, :n] = tree.tokens
-            positions[i, :n] = row.past + tree.depths
+        for row, (tokens, depths, tree_mask) in zip(rows, nodes):
+            n, i = tokens.numel(), row.index
+            input_ids[i, :n] = tokens
+            positions[i, :n] = row.past + depths
             allowed[i, :n, :row.past] = True
-            allowed[i, :n, width:width + n] = tree.mask.to(device)
+            allowed[i, :n, width:width + n] = tree_mask.to(device)
         mask = additive_mask(allowed, dtype)
         hidden, layers, logits = self.backend.step(self.cache, width, length, input_ids, positions, mask[:, None],
                                                    layer_ids)
         out = []
-        for row, tree in zip(rows, trees):
-            n, i = tree.size, row.index
+        for row, (tokens, _, _) in zip(rows, nodes):
+            n, i = tokens.numel(), row.index
             top = hidden[i, :n]  # (n, H)
             out.append(RowScore(top, top if layers is None else layers[i, :n], logits[i, :n], width))
         return out
@@ -172,3 +203,40 @@ class StaticRows:
                 if size >= count:
                     return size
         return self.backend.bucket(count)
+
+
+class RowScorer:
+    """One sequence on a row of static rows: the Scorer contract (eagle_lab/decoding/scoring.py) over StaticRows,
+    so a single sequence is scored by the step that scores a batch (a one-row cache of the backend's)."""
+
+    def __init__(self, rows: StaticRows, layer_ids: tuple[int, ...] = ()):
+        self.rows, self.layer_ids = rows, layer_ids
+        self.row = rows.attach()
+        self.max_context = rows.context
+        self.scored: RowScore | None = None  # the last score(), which commit() keeps from
+
+    @property
+    def past(self) -> int:
+        return self.row.past
+
+    def prefill(self, prompt_ids: torch.Tensor) -> Scored:
+        """prompt_ids: [T] -> features [T, H], logits of the last token [1, V]."""
+        hidden, layers = self.rows.prefill(self.row, prompt_ids, self.layer_ids)  # [T, H], [T, F] or None
+        return Scored(hidden, hidden if layers is None else layers, self.rows.target.logits(hidden[-1:]))
+
+    def score(self, tokens: torch.Tensor, depths: torch.Tensor | None = None,
+              tree_mask: torch.Tensor | None = None) -> Scored:
+        """tokens: [N] after `past`; depths [N] and tree_mask [N, N] for a tree, None for a chain."""
+        if tree_mask is None:
+            count = tokens.numel()
+            tree_mask = torch.ones(count, count, dtype=torch.bool, device=tokens.device).tril()  # a chain
+            depths = torch.arange(count, device=tokens.device)
+        self.scored = self.rows.score_nodes([self.row], [(tokens, depths, tree_mask)], self.layer_ids)[0]
+        return Scored(self.scored.features, self.scored.head_features, self.scored.logits)
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        self.rows.keep(self.row, self.scored, accepted)
+
+    def rewind(self) -> None:
+        """Nothing to undo: the row's committed length did not move, and the next forward writes over what was
+        scored after it."""

@@ -68,12 +68,10 @@ class Row:
     def tree(self) -> DraftTree:
         """The kept candidates as a tree, with the n-gram chain merged (EagleDrafter.draft)."""
         sequence, drafter = self.sequence.sequence, self.drafter
-        root = int(sequence[-1])
         if self.depth < 1:
-            tree = root_only_tree(root, sequence.device)
-        else:
-            tree, drafter.last_candidates = self.growth.tree(root, drafter.shape.total_tokens)
-        return drafter.merge_ngram_chain(tree, sequence, self.max_depth)
+            return drafter.merge_ngram_chain(root_only_tree(int(sequence[-1]), sequence.device), sequence,
+                                             self.max_depth)
+        return drafter.tree_from(self.growth, sequence, self.max_depth)
 
 
 class HeadBatch:

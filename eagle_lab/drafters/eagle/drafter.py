@@ -27,7 +27,7 @@ from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.tree import DraftTree, root_only_tree
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache, draft_lm_head_weight
 from eagle_lab.drafters.eagle.head_step import HeadStepRunner
-from eagle_lab.drafters.growth import Candidates, TreeChoice, TreeShape, grow_dynamic_tree
+from eagle_lab.drafters.growth import Candidates, TreeChoice, TreeGrowth, TreeShape, grow_dynamic_tree
 from eagle_lab.drafters.ngram import NgramProposer, merge_chain
 from eagle_lab.models.target import Target
 
@@ -159,6 +159,12 @@ class EagleDrafter:
         tree, self.last_candidates = grow_dynamic_tree(root, scores.flatten(), tokens.flatten(), depth,
                                                        self.shape.total_tokens, expand)
         return tree
+
+    def tree_from(self, growth: TreeGrowth, sequence: torch.Tensor, max_depth: int) -> DraftTree:
+        """The tree a batched round grew for this drafter (eagle_lab/serving/batch_draft.py), kept as draft()
+        keeps its own: the candidates remembered, the n-gram chain merged."""
+        tree, self.last_candidates = growth.tree(int(sequence[-1]), self.shape.total_tokens)
+        return self.merge_ngram_chain(tree, sequence, max_depth)
 
     def feed(self, sequence: torch.Tensor, new_features: torch.Tensor) -> None:
         """Bring the head cache up to the committed sequence without drafting (arguments as draft's)."""
