@@ -55,7 +55,7 @@ class TreeChoice:
 
 @dataclass(frozen=True)
 class BatchTree:
-    """The tree for one batch size (eagle_lab/serving/tree_per_batch.py): the head's shape and, with hybrid
+    """A round's tree for a row of a batch (eagle_lab/serving/batch_trees.py): the head's shape and, with hybrid
     drafting, the n-gram chain length merged into it (0: none; None: the drafter's own)."""
 
     shape: TreeShape

@@ -110,8 +110,8 @@ class Target(ModelShape):
 
         tree_mask: [K, K] bool, True where node i may attend to node j (ancestors and
         itself); None means plain causal attention.
-        attention_mask: a prepared additive [B, 1, K, past + K] mask instead (batched trees with
-        padded caches, eagle_lab/serving/batch.py); it overrides tree_mask.
+        attention_mask: a prepared additive [B, 1, K, past + K] mask instead (a draft model's frontier,
+        eagle_lab/drafters/draft_model/drafter.py); it overrides tree_mask.
         layer_ids: also return the hidden states entering these decoder layers (Hugging Face
         `hidden_states[i]`, where 0 is the embedding output; the convention EAGLE-3, vLLM and
         SGLang use for their auxiliary layers), concatenated on the last dim.
