@@ -85,11 +85,12 @@ def prepare_decoding(cfg: ServeConfig, target):
     eagle = prototype if isinstance(prototype, EagleDrafter) else None
     if rows.backend.compiled and (eagle is not None or prototype is None):
         build_row_graphs(target, eagle, rows, calibration_prompts(target)[0])
-    trees = batch_trees(cfg, target, prototype, rows)
     if isinstance(backend, StaticBackend):
         backend.stop_building()
         if eagle is not None:
             eagle.stop_building()
+    # timed as the server will run: a shape whose graph was not built above runs eagerly, there as here
+    trees = batch_trees(cfg, target, prototype, rows)
     return backend, rows, prototype, trees
 
 
