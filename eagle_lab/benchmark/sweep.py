@@ -75,7 +75,8 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
                     len(encoded))
     backend = build_backend(target, cfg.compile, cfg.decoding)
     # every method's sequences take rows of one static cache (methods run in turns, never together)
-    shared_rows = serving_rows(backend, max(levels), max(len(ids) for ids in encoded) + cfg.max_new_tokens)
+    shared_rows = serving_rows(backend, max(levels), max(len(ids) for ids in encoded) + cfg.max_new_tokens,
+                               cfg.decoding)
     engines = {method: _engine(cfg, method, target, max(levels), backend, shared_rows) for method in methods}
     rows = []
     for temperature in cfg.bench.temperatures:

@@ -55,15 +55,13 @@ class BatchScheduler(Scheduler):
             else:
                 ready.append(job)
         shapes = [self.trees.tree(len(ready), job.stream.sequence.params) for job in ready]
-        if self.drafting is not None and len(ready) > 1:
+        if self.drafting is not None:  # rows sharing a head draft together; a lone row drafts on its own cache
             errors = self.drafting.draft([job.stream.sequence for job in ready], shapes)
             for job, exc in zip(ready, errors):
                 if exc is not None:
                     self._fail(job, exc)
             drafted = [job for job, exc in zip(ready, errors) if exc is None]
         else:
-            if self.drafting is not None:
-                self.drafting.release()  # a lone sequence drafts on its own head cache
             drafted = [job for job, shape in zip(ready, shapes)
                        if self._step(job, lambda job=job, shape=shape: job.stream.sequence.draft(shape))]
         if not drafted:

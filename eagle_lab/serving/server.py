@@ -79,7 +79,7 @@ def prepare_decoding(cfg: ServeConfig, target):
     loaded) here, then building stops: a missing one later runs eagerly, and no request waits for a compile.
     `python -m eagle_lab.compile` calls it too, so that a server's start only loads."""
     backend = build_backend(target, cfg.compile, cfg.decoding, compile_ahead=True)
-    rows = serving_rows(backend, cfg.server.max_batch, cfg.server.context)
+    rows = serving_rows(backend, cfg.server.max_batch, cfg.server.context, cfg.decoding)
     # requests choose their temperature: a tree for greedy decoding and for each temperature tree=auto prices
     prototype = make_drafter(cfg, target, backend, temperatures=SERVER_TEMPERATURES)
     eagle = prototype if isinstance(prototype, EagleDrafter) else None
@@ -94,12 +94,12 @@ def prepare_decoding(cfg: ServeConfig, target):
     return backend, rows, prototype, trees
 
 
-def serving_rows(backend, max_batch: int, context: int) -> StaticRows:
+def serving_rows(backend, max_batch: int, context: int, decoding: DecodingConfig) -> StaticRows:
     """One static cache of max_batch rows of `context` tokens that every sequence decodes in
-    (eagle_lab/decoding/static_rows.py): the backend's compiled step, or an eager static step when the
-    backend is eager."""
+    (eagle_lab/decoding/static_rows.py): the backend's compiled step, or an eager static step (sized by
+    `decoding`, as a compiled one is) when the backend is eager."""
     if not isinstance(backend, StaticBackend):
-        backend = StaticBackend(backend.target, DecodingConfig().buckets, compiled=False)
+        backend = StaticBackend(backend.target, decoding.buckets, decoding.cache_block, compiled=False)
     log.info("%s decoding: %d rows of %d tokens in one static cache", backend.name, max_batch, context)
     try:
         return StaticRows(backend, max_batch, context, token_buckets=[1, *backend.buckets])
