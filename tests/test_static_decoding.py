@@ -11,7 +11,7 @@ import torch
 
 from eagle_lab.decoding import compiled
 from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
-from eagle_lab.drafters.eagle.head_step import GRAPH_TOP_K, ROW_BUCKETS
+from eagle_lab.drafters.eagle.head_runner import GRAPH_TOP_K, ROW_BUCKETS
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError

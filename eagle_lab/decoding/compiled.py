@@ -24,11 +24,9 @@ import shutil
 import time
 
 import torch
-from torch import nn
-
-from transformers import StaticCache
 
 from eagle_lab.decoding.graph_store import GraphStore
+from eagle_lab.decoding.step_graph import FlatStep, Step, cache_inputs
 from eagle_lab.models.device import cpu_features
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.target import Target
@@ -38,7 +36,7 @@ CPU_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "
 CHOICE_FILE = "compile_choice.json"
 EAGER_MARGIN = 0.9  # compile=auto keeps a shape eager only when eager timed at least 10% faster
 # what the target step's packages are built from
-STEP_SOURCES = ("decoding/compiled.py", "models/stable_linear.py", "models/kernels/stable_linear.cpp",
+STEP_SOURCES = ("decoding/step_graph.py", "models/stable_linear.py", "models/kernels/stable_linear.cpp",
                 "models/attention.py")
 
 
@@ -107,51 +105,6 @@ def can_compile(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-class _Step(nn.Module):
-    """backbone + LM head over R rows of K tokens after the cached prefix; the unit that is compiled."""
-
-    def __init__(self, target: Target):
-        super().__init__()
-        self.backbone, self.lm_head = target.backbone, target.lm_head
-        self.cache_kwarg = target._cache_kwarg
-
-    def hidden(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
-        out = self.backbone(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                            output_hidden_states=bool(layer_ids), **{self.cache_kwarg: cache})
-        layers = None
-        if layer_ids:
-            layers = torch.cat([out.hidden_states[i] for i in layer_ids], dim=-1)  # [R, K, n*H]
-        return out.last_hidden_state, layers  # [R, K, H]
-
-    def forward(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
-        hidden, layers = self.hidden(cache, input_ids, positions, mask, layer_ids)
-        return hidden, layers, self.lm_head(hidden).float()  # logits [R, K, V]
-
-
-class _FlatStep(nn.Module):
-    """`_Step` over a static cache's tensors passed as plain inputs (what torch.export takes): per layer
-    (keys [R, kvH, L, D], values, write counter []), all written in place. A private Hugging Face cache
-    object carries them into the model's code."""
-
-    def __init__(self, step: _Step, cache, layer_ids: tuple[int, ...]):
-        super().__init__()
-        self.step, self.layer_ids = step, layer_ids
-        self.carrier = StaticCache(config=cache.config, max_cache_len=cache.capacity)
-        for own, layer in zip(cache.layers, self.carrier.layers):
-            layer.lazy_initialization(own.keys[:1, :, :1], own.values[:1, :, :1])  # dtype, device, heads
-            layer.batch_size = cache.rows
-
-    def forward(self, input_ids, positions, mask, kv):
-        for layer, (keys, values, written) in zip(self.carrier.layers, kv):
-            layer.keys, layer.values, layer.cumulative_length = keys, values, written
-        hidden, layers, logits = self.step(self.carrier, input_ids, positions, mask, self.layer_ids)
-        return (hidden, logits) if layers is None else (hidden, layers, logits)
-
-
-def _cache_inputs(cache) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values, layer.cumulative_length) for layer in cache.layers]
-
-
 class StepCompiler:
     """Runs the step eagerly or compiled (packages on CPU, torch.compile on CUDA).
     build: whether a missing package may be compiled in this process (else that shape runs eagerly).
@@ -160,7 +113,7 @@ class StepCompiler:
     def __init__(self, target: Target, compiled: bool, per_shape: bool = False, build: bool = True,
                  store: GraphStore | None = None):
         self.target, self.compiled, self.per_shape, self.build = target, compiled, per_shape, build
-        self.module = _Step(target).eval()
+        self.module = Step(target).eval()
         self._graphs: dict[tuple, object] = {}  # key -> the compiled callable serving it
         self._missing: set[tuple] = set()  # keys with no package, run eagerly (build=False)
         self._eager_shapes: set[tuple] = set()  # (rows, tokens, layer_ids) that eager serves faster
@@ -198,7 +151,7 @@ class StepCompiler:
         return {"layers": layer_ids, "model": self.target.config.to_json_string(use_diff=False),
                 "weights": self.target.weights, "linear_kernel": self.target.linear_kernel}
 
-    def _package_key(self, flat: _FlatStep, args: tuple) -> str:
+    def _package_key(self, flat: FlatStep, args: tuple) -> str:
         """The store's key of the package that runs `flat` on `args` (the step's tensors, the cache's included)."""
         return self.store.key("target-step", flat, args, self._constants(flat.layer_ids), STEP_SOURCES)
 
@@ -206,7 +159,7 @@ class StepCompiler:
         """Whether any plain-step package for this target (over caches like `cache`) was built on this machine."""
         if not self.packages:
             return self.compiled
-        return self.store.has_family(self.store.family("target-step", _FlatStep(self.module, cache, ()),
+        return self.store.has_family(self.store.family("target-step", FlatStep(self.module, cache, ()),
                                                        self._constants(()), STEP_SOURCES))
 
     @torch.no_grad()
@@ -233,8 +186,8 @@ class StepCompiler:
                     return call_known_graph(fn, (c.hf_cache, *args), c.device)
                 return fn(c.hf_cache, *args)
             return compiled
-        flat = _FlatStep(self.module, cache, layer_ids)
-        args = (input_ids, positions, mask, _cache_inputs(cache.hf_cache))
+        flat = FlatStep(self.module, cache, layer_ids)
+        args = (input_ids, positions, mask, cache_inputs(cache.hf_cache))
         store_key = self._package_key(flat, args)
         what = f"the target step for {_shape_name(key[1], key[2])} over {cache.capacity} positions"
         # export traces on fake tensors: building writes nothing into the cache
@@ -243,7 +196,7 @@ class StepCompiler:
             return None
 
         def call(c, ids, pos, msk, _layer_ids):  # the layers are part of the package
-            out = runner(ids, pos, msk, _cache_inputs(c.hf_cache))
+            out = runner(ids, pos, msk, cache_inputs(c.hf_cache))
             return (out[0], None, out[1]) if len(out) == 2 else tuple(out)
         return call
 

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from eagle_lab.models.device import cpu_features
 from eagle_lab.models.embedded import cache_root
@@ -48,12 +49,16 @@ STORE_DIR = "compiled"
 PACKAGE_OPTIONS = {"aot_inductor.package_constants_in_so": False}
 # frozen: weights prepacked into the package for the C++ GEMM template, each GEMM autotuned
 FROZEN_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
+# how a package is built (export, then AOTInductor with the options above): raise it when build() changes
+BUILD_VERSION = 1
+
+
 def source_digest(sources: tuple[str, ...]) -> str:
-    """eagle_lab's code that defines an exported step (paths under eagle_lab/) and this module: a change there
-    invalidates that step's packages, and only those."""
+    """A digest of eagle_lab's source files `sources` (paths under eagle_lab/): for a package, the code that defines
+    its exported step, so a change there invalidates that step's packages, and only those."""
     digest = hashlib.sha1()
     package = Path(__file__).resolve().parent.parent
-    for relative in ("decoding/graph_store.py", *sources):
+    for relative in sources:
         path = package / relative
         if not path.is_file():
             raise FileNotFoundError(f"a step's source list names {relative}, which is not in {package}")
@@ -102,7 +107,8 @@ class GraphStore:
             self._environment = environment()
         weights = sorted((n, list(t.shape), str(t.dtype)) for n, t in module_constants(module).items())
         frozen = self._weights_digest(module) if self.frozen else ""
-        text = json.dumps([self._environment, source_digest(sources), name, type(module).__name__, weights,
+        build = [BUILD_VERSION, PACKAGE_OPTIONS, FROZEN_OPTIONS if self.frozen else None]
+        text = json.dumps([self._environment, build, source_digest(sources), name, type(module).__name__, weights,
                            sorted((str(k), repr(v)) for k, v in constants.items()), frozen], sort_keys=True)
         return f"{name}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
 
@@ -133,7 +139,7 @@ class GraphStore:
     def has(self, key: str) -> bool:
         return self.path(key).is_file()
 
-    def load(self, key: str, module: nn.Module):
+    def load(self, key: str, module: nn.Module) -> LoadedPackage | None:
         """The package bound to `module`'s weights, or None when there is none or it does not load."""
         path = self.path(key)
         if not path.is_file():
@@ -141,7 +147,7 @@ class GraphStore:
         try:
             runner = torch._inductor.aoti_load_package(str(path))
             if self.frozen:
-                return runner  # its weights are inside
+                return LoadedPackage(runner)  # its weights are inside
             wanted = runner.get_constant_fqns()
             constants = module_constants(module)
             missing = [name for name in wanted if name not in constants]
@@ -152,9 +158,9 @@ class GraphStore:
         except (RuntimeError, OSError, ValueError, KeyError) as err:
             log.warning("compiled graph %s does not load here (%s); building it again", path.name, err)
             return None
-        return runner
+        return LoadedPackage(runner)
 
-    def build(self, key: str, module: nn.Module, args: tuple):
+    def build(self, key: str, module: nn.Module, args: tuple) -> LoadedPackage:
         """Export `module` on `args` (a tuple of tensors and nested lists of them), compile it ahead of time,
         write the package atomically and return it loaded."""
         from torch._inductor import aoti_compile_and_package
@@ -165,7 +171,7 @@ class GraphStore:
         os.close(handle)
         try:
             aoti_compile_and_package(exported, package_path=partial,
-                                     inductor_configs=FROZEN_OPTIONS if self.frozen else PACKAGE_OPTIONS)
+                                     inductor_configs=dict(FROZEN_OPTIONS if self.frozen else PACKAGE_OPTIONS))  # it adds keys
             os.replace(partial, self.path(key))
         finally:
             if os.path.exists(partial):
@@ -192,3 +198,30 @@ class GraphStore:
         """(packages, bytes) in the store."""
         files = list(self.root.glob("*.pt2")) if self.root.is_dir() else []
         return len(files), sum(f.stat().st_size for f in files)
+
+
+class LoadedPackage:
+    """A loaded package, called with tensors and nested lists or tuples of them as it was exported with.
+
+    The inputs are flattened here, depth first (the order export flattened them in), and handed to the
+    package's runner; the generic call of a loaded package parses its input and output specs and walks the
+    arguments with pytree on every call, about 0.2 ms each: a speculative round makes three calls."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled  # torch's AOTICompiledModel
+        self._run = compiled.loader.boxed_run
+        self._out_spec = pytree.treespec_loads(compiled.loader.get_call_spec()[1])
+
+    def __call__(self, *args):
+        flat: list[torch.Tensor] = []
+        _flatten_tensors(args, flat)
+        return pytree.tree_unflatten(self._run(flat), self._out_spec)
+
+
+def _flatten_tensors(value, out: list) -> None:
+    """The tensors in `value` (a tensor, or lists and tuples of them), depth first, appended to `out`."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _flatten_tensors(item, out)

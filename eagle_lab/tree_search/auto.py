@@ -64,8 +64,10 @@ from eagle_lab.tree_search.replay import ngram_lengths, record, replay_all
 from eagle_lab.tree_search.validate import VALIDATE_TOP, is_plain, measured_best, untimed, validate
 
 log = logging.getLogger(__name__)
-# what a timed round runs besides the models: the steps (their packages' sources), the loop, the drafter
-ROUND_CODE = (*TARGET_STEP_SOURCES, *HEAD_STEP_SOURCES, "decoding/round.py", "decoding/generate.py",
+# what a timed round runs besides the models: the steps (their packages' sources, the code that calls them),
+# the loop, the drafter
+ROUND_CODE = (*TARGET_STEP_SOURCES, *HEAD_STEP_SOURCES, "decoding/compiled.py", "decoding/graph_store.py",
+              "drafters/eagle/head_runner.py", "decoding/static_rows.py", "decoding/round.py", "decoding/generate.py",
               "decoding/verify.py", "decoding/backend.py", "decoding/scoring.py", "drafters/eagle/drafter.py",
               "drafters/growth.py", "drafters/ngram.py")
 CALIBRATION_PROMPTS = (

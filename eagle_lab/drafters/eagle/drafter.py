@@ -26,7 +26,7 @@ import torch
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.tree import DraftTree, root_only_tree
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache, draft_lm_head_weight
-from eagle_lab.drafters.eagle.head_step import HeadStepRunner
+from eagle_lab.drafters.eagle.head_runner import HeadStepRunner
 from eagle_lab.drafters.growth import Candidates, TreeChoice, TreeGrowth, TreeShape, grow_dynamic_tree
 from eagle_lab.drafters.ngram import NgramProposer, merge_chain
 from eagle_lab.models.target import Target

@@ -1,0 +1,135 @@
+"""The draft head's step (head_step.py) over a preallocated KV cache, run eagerly or compiled per row bucket.
+
+Keys and values go into the head cache at given slots in place, so the shapes a compiled step sees are
+fixed: rows are padded to a bucket (padding rows write to the cache's last slot, which no row ever
+sees) and attention runs over the cache's whole capacity under an additive mask. On CPU each bucket
+is an AOTInductor package like the target's step (eagle_lab/decoding/graph_store.py: built once per
+machine, loaded in milliseconds, bound to the head's own weights); one graph replaces the dozens of
+small eager kernels a step is made of. On CUDA it is compiled with torch.compile. Drafts are
+proposals only: their numerics never touch exactness.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from eagle_lab.decoding.compiled import call_known_graph, raise_recompile_limits
+from eagle_lab.decoding.graph_store import GraphStore
+from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache
+from eagle_lab.drafters.eagle.head_step import STEP_SOURCES, HeadStep, BoundHeadStep
+from eagle_lab.models.target import additive_mask
+
+log = logging.getLogger(__name__)
+ROW_BUCKETS = (4, 16)  # rows per compiled head step; more rows (a prompt's first commit) run 16 at a time
+GRAPH_TOP_K = 8  # a compiled step returns at least this many top-k drafts, sliced to what was asked: one graph
+# serves every top-k up to it (tree=auto times top-k 1..8), where a graph per k would multiply the builds
+
+
+class HeadStepRunner:
+    """Runs `HeadStep` for one drafter: eagerly over the cache's filled part, or compiled over its whole
+    capacity with rows padded to a bucket (one graph per bucket, k, feature source and capacity)."""
+
+    def __init__(self, head: EagleHead, embed_tokens: nn.Module, rotary: nn.Module, lm_weight: torch.Tensor,
+                 compiled: bool, buckets: tuple[int, ...] = ROW_BUCKETS, build: bool = True):
+        """build: whether a missing package may be compiled here (else that bucket runs eagerly)."""
+        self.module = HeadStep(head, embed_tokens, rotary, lm_weight).eval()
+        self.compiled, self.buckets, self.build = compiled, tuple(sorted(buckets)), build
+        self.packages = compiled and lm_weight.device.type == "cpu"
+        self._graphs: dict[tuple, object] = {}  # key -> compiled callable (None: no package, eager)
+        self._fn = self.module
+        self.store = GraphStore()
+        if compiled and not self.packages:
+            raise_recompile_limits()
+            self._fn = torch.compile(self.module, dynamic=False)
+
+    def bucket(self, rows: int) -> int | None:
+        """The compiled row count for `rows`, or None to run eagerly."""
+        if not self.compiled:
+            return None
+        return next((b for b in self.buckets if b >= rows), None)
+
+    @torch.no_grad()
+    def __call__(self, cache: HeadKVCache, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                 visible: torch.Tensor, k: int, from_draft: bool, last_only: bool = False):
+        """tokens, positions [T]; features [T, F]; visible [T, cache.length + T] bool: which of the filled
+        slots and of these rows each row attends to. The rows go to slots length .. length + T, and the
+        cache's length moves past them. -> hidden [T, H], top-k log-probs [T, k], top-k draft ids [T, k]
+        (last_only: the top-k of at least the last row, which comes last)."""
+        rows, start = tokens.shape[0], cache.length
+        if self.compiled and rows > self.buckets[-1]:
+            return self._in_chunks(cache, tokens, features, positions, visible, k, from_draft, last_only)
+        bucket = self.bucket(rows)
+        padded = bucket or rows
+        cache.reserve(start + padded + 1, like=self.module.head.fc.weight, arch=self.module.head.arch)
+        width = cache.capacity if bucket else start + rows  # attention runs over [0, width)
+        scratch = cache.capacity - 1  # padding rows write here; it is never visible
+        slots = torch.full((padded,), scratch, dtype=torch.long, device=tokens.device)
+        slots[:rows] = torch.arange(start, start + rows, device=tokens.device)
+        allowed = torch.zeros(padded, width, dtype=torch.bool, device=tokens.device)
+        allowed[:rows, :start + rows] = visible
+        allowed[rows:, scratch if bucket else 0] = True  # padding rows attend to something (no empty softmax)
+        dtype = self.module.head.dtype  # head.draft_dtype: target features are cast to it
+        features = features.to(dtype)
+        mask = additive_mask(allowed, dtype)  # [padded, width]
+        step_k = max(k, GRAPH_TOP_K) if bucket else k
+        args = (cache.key_buffer[:, :, :width], cache.value_buffer[:, :, :width],
+                _pad(tokens, padded)[None], _pad(features, padded)[None], _pad(positions, padded)[None], slots,
+                mask[None, None], step_k, from_draft, last_only and not bucket)
+        key = (padded, width, step_k, from_draft, args[0].stride()) if bucket else None  # the cache's strides too
+        hidden, top_logp, top_ids = self._run(args, key)
+        cache.length = start + rows
+        return hidden[0, :rows], top_logp[:rows, :k], top_ids[:rows, :k]
+
+    def _in_chunks(self, cache, tokens, features, positions, visible, k, from_draft, last_only):
+        """More rows than the largest bucket (a prompt's first commit): through the largest compiled step,
+        one chunk after another, each chunk seeing the earlier ones in the cache (arguments as __call__'s)."""
+        size, start = self.buckets[-1], cache.length
+        hidden, top_logp, top_ids = [], [], []
+        for first in range(0, tokens.shape[0], size):
+            last = min(first + size, tokens.shape[0])
+            out = self(cache, tokens[first:last], features[first:last], positions[first:last],
+                       visible[first:last, :start + last], k, from_draft)
+            hidden.append(out[0])
+            if not last_only or last == tokens.shape[0]:
+                top_logp.append(out[1])
+                top_ids.append(out[2])
+        return torch.cat(hidden), torch.cat(top_logp), torch.cat(top_ids)
+
+    def _run(self, args, key: tuple | None):
+        if key is None:
+            return self.module(*args)
+        if key in self._graphs:
+            graph = self._graphs[key]
+            if graph is None:
+                return self.module(*args)
+            return graph(args) if self.packages else call_known_graph(self._fn, args, args[2].device)
+        if not self.packages:
+            start = time.perf_counter()
+            out = self._fn(*args)
+            self._graphs[key] = self._fn
+            log.info("compiled the head step for %d rows over a %d-slot cache in %.0f s", key[0], key[1],
+                     time.perf_counter() - start)
+            return out
+        bound = BoundHeadStep(self.module, args[7], args[8])
+        tensors = args[:7]
+        store_key = self.store.key("head-step", bound, tensors, {"k": args[7], "from_draft": args[8],
+                                                                  "arch": self.module.head.arch}, STEP_SOURCES)
+        what = f"the head step for {key[0]} rows over a {key[1]}-slot cache"
+        runner = (self.store.load_or_build(store_key, bound, tensors, what) if self.build
+                  else self.store.load(store_key, bound))
+        graph = None if runner is None else (lambda a: tuple(runner(*a[:7])))
+        self._graphs[key] = graph
+        return self.module(*args) if graph is None else graph(args)
+
+
+def _pad(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero rows appended along dim 0 up to `rows`; always contiguous: a graph is specialised on its inputs'
+    strides, which its key does not name (the first level's parent features are one row expanded)."""
+    missing = rows - tensor.shape[0]
+    if missing == 0:
+        return tensor.contiguous()
+    return torch.cat([tensor, tensor.new_zeros((missing, *tensor.shape[1:]))])
