@@ -1,5 +1,6 @@
-"""`sdpa_gqa` (eagle_lab/models/attention.py) computes what transformers' sdpa computes with copied
-key/value heads: tree masks, causal prefills (into a longer static cache too) and single queries."""
+"""eagle_lab's CPU attention (eagle_lab/models/attention.py): what transformers' sdpa computes (tree masks,
+causal prefills into a longer static cache, single queries), and row-stable where it must be: a query's output
+is bitwise the same alone or among other queries, before more masked keys or fewer, in any batch."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from eagle_lab.models.attention import gqa_sdpa_forward
+from eagle_lab.models.attention import NAME, STABLE_ROWS, cpu_attention_forward, load_attention_kernel
 from eagle_lab.models.target import TargetConfig, load_target
+
+LOWEST = torch.finfo(torch.float32).min
 
 
 def _module(groups: int) -> nn.Module:
@@ -18,23 +21,51 @@ def _module(groups: int) -> nn.Module:
     return module
 
 
-@pytest.mark.parametrize("rows, keys, masked", [(1, 9, True), (5, 12, True), (6, 6, False), (4, 16, False)])
-def test_grouped_heads_in_the_kernel_equal_copied_heads(rows, keys, masked):
+def _tree_mask(g: torch.Generator, batch: int, rows: int, keys: int) -> torch.Tensor:
+    """A tree over a past: each row sees the past and a random subset of the new rows, itself included."""
+    seen = torch.rand(batch, 1, rows, keys, generator=g) > 0.4
+    seen[..., -rows:] |= torch.eye(rows, dtype=torch.bool)
+    return torch.zeros(batch, 1, rows, keys).masked_fill(~seen, LOWEST)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
+@pytest.mark.parametrize("rows, keys, masked", [(1, 9, True), (5, 12, True), (6, 6, False), (4, 16, False),
+                                                (1, 7, False), (STABLE_ROWS + 16, STABLE_ROWS + 16, False)])
+def test_it_computes_what_sdpa_computes(rows, keys, masked, heads, kv_heads):
+    load_attention_kernel()
     g = torch.Generator().manual_seed(rows * 100 + keys)
-    query = torch.randn(2, 6, rows, 8, generator=g)  # [B, H, T, D]
-    key, value = torch.randn(2, 2, keys, 8, generator=g), torch.randn(2, 2, keys, 8, generator=g)  # [B, kvH, S, D]
-    mask = None
-    if masked:  # a tree over a past: each row sees the past and a random subset of the new rows, itself included
-        seen = torch.rand(2, 1, rows, keys, generator=g) > 0.4
-        seen[..., -rows:] |= torch.eye(rows, dtype=torch.bool)
-        mask = torch.zeros(2, 1, rows, keys).masked_fill(~seen, torch.finfo(torch.float32).min)
-    got, _ = gqa_sdpa_forward(_module(3), query, key, value, mask, scaling=0.35)
-    want, _ = sdpa_attention_forward(_module(3), query, key, value, mask, scaling=0.35)
-    assert got.shape == want.shape == (2, rows, 6, 8)
-    assert torch.allclose(got, want, atol=1e-6)
+    query = torch.randn(2, heads, rows, 16, generator=g)  # [B, H, T, D]
+    key, value = (torch.randn(2, kv_heads, keys, 16, generator=g) for _ in range(2))  # [B, kvH, S, D]
+    mask = _tree_mask(g, 2, rows, keys) if masked else None
+    got, _ = cpu_attention_forward(_module(heads // kv_heads), query, key, value, mask, scaling=0.35)
+    want, _ = sdpa_attention_forward(_module(heads // kv_heads), query, key, value, mask, scaling=0.35)
+    assert got.shape == want.shape == (2, rows, heads, 16)
+    assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_cpu_targets_with_grouped_heads_use_it():
+def test_a_query_gets_bitwise_the_same_alone_among_others_and_over_more_masked_keys():
+    load_attention_kernel()
+    g = torch.Generator().manual_seed(3)
+    past, rows, extra = 37, 5, 27
+    query = torch.randn(2, 6, rows, 64, generator=g)
+    key, value = (torch.randn(2, 2, past + rows + extra, 64, generator=g) for _ in range(2))
+    allowed = torch.zeros(2, 1, rows, past + rows + extra, dtype=torch.bool)
+    allowed[..., :past] = True
+    allowed[..., past:past + rows] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, LOWEST)
+    together, _ = cpu_attention_forward(_module(3), query, key, value, mask, scaling=0.125)
+    for t in range(rows):
+        visible = past + t + 1  # a one-token step attends over just what it sees
+        alone, _ = cpu_attention_forward(_module(3), query[:, :, t:t + 1], key[:, :, :visible],
+                                         value[:, :, :visible], mask[:, :, t:t + 1, :visible], scaling=0.125)
+        assert torch.equal(alone[:, 0], together[:, t])
+        first_row, _ = cpu_attention_forward(_module(3), query[:1, :, t:t + 1], key[:1], value[:1],
+                                             mask[:1, :, t:t + 1], scaling=0.125)
+        assert torch.equal(first_row[0, 0], together[0, t])  # batch of one
+    boolean, _ = cpu_attention_forward(_module(3), query, key, value, allowed, scaling=0.125)
+    assert torch.equal(boolean, together)  # a boolean mask means the same
+
+
+def test_cpu_targets_use_it():
     target = load_target(TargetConfig(name="tiny_llama", source="tiny", device="cpu"))
-    assert target.config.num_key_value_heads < target.config.num_attention_heads
-    assert target.config._attn_implementation == "sdpa_gqa"
+    assert target.config._attn_implementation == NAME

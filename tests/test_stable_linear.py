@@ -24,10 +24,20 @@ from tests.conftest import FAMILIES, NoisyDrafter, OracleDrafter, small_vocab_ta
 from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs, sampled_sequences
 
 pytestmark = pytest.mark.skipif(not kernels_available()[0], reason=f"no C++ kernels here: {kernels_available()[1]}")
-STORAGES = ("f32", "bf16", "q8_0", "q4_1")
+STORAGES = ("f32", "bf16", "q8_0", "q4_1", "q8_0x8", "q4_1x8")
 GREEDY = SamplingParams()
 # how far each storage's weight may sit from the original, relative to the largest weight
-STORAGE_ERROR = {"f32": 0.0, "bf16": 2.0 ** -8, "q8_0": 1 / 127, "q4_1": 1 / 15}
+STORAGE_ERROR = {"f32": 0.0, "bf16": 2.0 ** -8, "q8_0": 1 / 127, "q4_1": 1 / 15, "q8_0x8": 1 / 127, "q4_1x8": 1 / 15}
+WEIGHT_OF = {"q8_0x8": "q8_0", "q4_1x8": "q4_1"}  # int8-activation storages hold the weights of these
+
+
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the int8-activation storages see it: each row's groups of 32 rounded to 255 levels
+    (q = round(x / d), d = max|x| / 127), as float32 q * d."""
+    groups = x.reshape(*x.shape[:-1], -1, GROUP)  # [..., K/32, 32]
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return ((groups * inverse).round() * d).reshape(x.shape)
 
 
 def linear(out_features=100, in_features=128, bias=True, seed=0) -> nn.Linear:
@@ -42,9 +52,10 @@ def linear(out_features=100, in_features=128, bias=True, seed=0) -> nn.Linear:
 def test_a_layer_multiplies_by_the_weight_it_holds(storage, bias):
     dense = linear(bias=bias)  # 100 outputs: the last panel of 16 columns is partly padding
     layer = StableLinear(dense, storage)
-    held = layer.dequantized()  # [100, 128]
+    held = StableLinear(dense, WEIGHT_OF.get(storage, storage)).dequantized()  # [100, 128]
     x = torch.randn(5, 3, 128)
-    reference = x @ held.t() + (dense.bias if bias else 0)  # [5, 3, 100]
+    seen = quantized_rows(x) if storage in WEIGHT_OF else x  # what the layer multiplies
+    reference = seen @ held.t() + (dense.bias if bias else 0)  # [5, 3, 100]
     out = layer(x)
     assert out.shape == (5, 3, 100) and out.dtype == torch.float32
     assert (out - reference).abs().max() <= 1e-5 * reference.abs().max()  # float32 sums in another order
@@ -127,9 +138,13 @@ def test_load_target_converts_every_linear_and_keeps_the_lm_head_tied(weights):
         assert target.lm_head.weight is target.embed_tokens.weight
 
 
-def test_auto_weights_are_int4_for_the_embedded_gguf_and_fp32_otherwise():
+def test_auto_weights_are_the_embedded_ggufs_precision_and_fp32_otherwise(monkeypatch):
+    from eagle_lab.models import target as target_module
     from eagle_lab.models.target import shipped_weights
 
+    monkeypatch.setattr(target_module, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
+    assert shipped_weights(TargetConfig(source="embedded", device="cpu")) == "w4a8"
+    monkeypatch.setattr(target_module, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert shipped_weights(TargetConfig(source="embedded", device="cpu")) == "int4"
     assert shipped_weights(TargetConfig(name="tiny_llama", source="tiny", device="cpu")) == "fp32"
     assert shipped_weights(TargetConfig(source="embedded", device="cpu", dtype="bfloat16")) == "fp32"

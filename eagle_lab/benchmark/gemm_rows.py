@@ -1,5 +1,5 @@
 """What the target's linear layers cost per forward, by rows (tokens scored) and weight storage, on this CPU:
-python -m eagle_lab.benchmark.gemm_rows [kernels=torch,f32,bf16,q8_0,q4_1] [rows=1,2,4,8,16] [layers=30]
+python -m eagle_lab.benchmark.gemm_rows [kernels=torch,f32,bf16,q8_0,q4_1,q8_0x8,q4_1x8] [rows=1,2,4,8,16] [layers=30]
 
 A stack of SmolLM2-135M's linear shapes (7 per decoder layer, then the 49,152 x 576 LM head) with random
 weights: `torch` is F.linear in float32 (MKL), the others eagle_lab's row-stable kernel over each storage
@@ -21,7 +21,7 @@ from eagle_lab.tree_search.costs import timed
 
 SHAPES = [(576, 576)] * 2 + [(192, 576)] * 2 + [(1536, 576)] * 2 + [(576, 1536)]  # (out, in): q o k v gate up down
 LM_HEAD = (49152, 576)
-KERNELS = ("torch", "f32", "bf16", "q8_0", "q4_1")
+KERNELS = ("torch", "f32", "bf16", "q8_0", "q4_1", "q8_0x8", "q4_1x8")
 
 
 def linear_stack(layers: int, kernel: str) -> nn.ModuleList:

@@ -1,5 +1,6 @@
 """Where a speculative round's time goes:
 python -m eagle_lab.benchmark.profile_round [tokens=96] [depth=4 topk=4 total=12] [compile=true|false] [ops=true]
+    [weights=auto|fp32|bf16|int8|int4|w8a8|w4a8]
 
 Decodes one calibration prompt greedily on the embedded target with its packaged head (a
 random head if none), plain and speculative, on the same backend, and prints per round: the
@@ -45,14 +46,14 @@ class PhaseTimes:
 
 
 def main(argv: list[str]) -> None:
-    args = key_values("profile_round", argv, ("tokens", "depth", "topk", "total", "compile", "ops"))
+    args = key_values("profile_round", argv, ("tokens", "depth", "topk", "total", "compile", "ops", "weights"))
     try:
         shape = TreeShape(int(args.get("depth", 4)), int(args.get("topk", 4)), int(args.get("total", 12)))
         tokens = int(args.get("tokens", 96))
         compile_choice(args.get("compile", "true"))
     except (ValueError, EagleLabError) as err:
         raise SystemExit(f"profile_round: {err}") from None
-    target = load_target(TargetConfig(device="cpu"))
+    target = load_target(TargetConfig(device="cpu", weights=args.get("weights", "auto")))
     backend = build_backend(target, args.get("compile", "true"), DecodingConfig())
     drafter = eagle_drafter(build_head(HeadConfig(), target), target, shape, None, backend)  # compiles with the target
     prompt = torch.tensor(encode_prompt(target.tokenizer, CALIBRATION_PROMPTS[0], chat=True))

@@ -28,6 +28,7 @@ import torch
 from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.decoding.step_graph import FlatStep, Step, cache_inputs
 from eagle_lab.models.device import cpu_features
+from eagle_lab.models.native import op_schemas
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.target import Target
 
@@ -35,9 +36,10 @@ log = logging.getLogger(__name__)
 CPU_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
 CHOICE_FILE = "compile_choice.json"
 EAGER_MARGIN = 0.9  # compile=auto keeps a shape eager only when eager timed at least 10% faster
-# what the target step's packages are built from
-STEP_SOURCES = ("decoding/step_graph.py", "models/stable_linear.py", "models/kernels/stable_linear.cpp",
-                "models/attention.py")
+# what the target step's packages are built from; the C++ kernels they call are not, only their ops' schemas
+# (native.op_schemas, in every package's key): a faster kernel keeps the packages
+STEP_SOURCES = ("decoding/step_graph.py", "models/stable_linear.py", "models/attention.py")
+KERNEL_SOURCES = ("models/kernels/stable_linear.cpp", "models/kernels/stable_attention.cpp")
 
 
 def inductor_cache_dir() -> str:
@@ -149,7 +151,7 @@ class StepCompiler:
 
     def _constants(self, layer_ids: tuple[int, ...]) -> dict:
         return {"layers": layer_ids, "model": self.target.config.to_json_string(use_diff=False),
-                "weights": self.target.weights, "linear_kernel": self.target.linear_kernel}
+                "weights": self.target.weights, "linear_kernel": self.target.linear_kernel, "ops": op_schemas()}
 
     def _package_key(self, flat: FlatStep, args: tuple) -> str:
         """The store's key of the package that runs `flat` on `args` (the step's tensors, the cache's included)."""

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -68,6 +69,16 @@ def _build(name: str, path: Path) -> None:
             tail = "\n".join(done.stderr.strip().splitlines()[-5:])
             raise EagleLabError(f"building eagle_lab's {name} kernels failed ({command[0]}):\n{tail}")
         os.replace(staged, path)  # atomic: a process racing this one loads a whole file or builds its own
+
+
+@functools.cache
+def op_schemas() -> tuple[str, ...]:
+    """Every op schema the kernels' sources define (`m.def("...")`): what a compiled package that calls them
+    depends on, where the kernels' code itself is loaded fresh by every process."""
+    schemas = []
+    for source in sorted(SOURCE_DIR.glob("*.cpp")):
+        schemas += re.findall(r'm\.def\("([^"]+)"\)', source.read_text())
+    return tuple(schemas)
 
 
 @functools.cache

@@ -29,11 +29,13 @@ from eagle_lab.errors import EagleLabError
 from eagle_lab.models import native
 
 log = logging.getLogger(__name__)
-WEIGHTS = ("fp32", "bf16", "int8", "int4")
+WEIGHTS = ("fp32", "bf16", "int8", "int4", "w8a8", "w4a8")
 LANES = 16  # output columns per panel
 GROUP = 32  # quantized weights per scale (and minimum) along K
 # (decoder layers, LM head) storage for each choice of target.weights
-FORMATS = {"fp32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "int8": ("q8_0", "q8_0"), "int4": ("q4_1", "q8_0")}
+FORMATS = {"fp32": ("f32", "f32"), "bf16": ("bf16", "bf16"), "int8": ("q8_0", "q8_0"), "int4": ("q4_1", "q8_0"),
+           "w8a8": ("q8_0x8", "q8_0x8"), "w4a8": ("q4_1x8", "q8_0x8")}
+QUANTIZED = ("q8_0", "q4_1", "q8_0x8", "q4_1x8")  # storages with groups of 32 along K
 
 
 def _to_panels(columns: torch.Tensor) -> torch.Tensor:
@@ -42,6 +44,15 @@ def _to_panels(columns: torch.Tensor) -> torch.Tensor:
     panels = -(-n // LANES)
     padded = torch.cat([columns, columns.new_zeros(panels * LANES - n, *columns.shape[1:])])  # [P*16, C]
     return padded.view(panels, LANES, -1).transpose(1, 2).contiguous()
+
+
+def _to_byte_panels(blocks: torch.Tensor) -> torch.Tensor:
+    """[N, B, 4] (4 bytes per output column and block of k) -> [P, B, 64]: per block, the 16 columns' 4 bytes
+    side by side (what one vpdpbusd multiplies), N zero-padded to P * 16."""
+    n, b = blocks.shape[:2]
+    panels = -(-n // LANES)
+    padded = torch.cat([blocks, blocks.new_zeros(panels * LANES - n, b, 4)])  # [P*16, B, 4]
+    return padded.view(panels, LANES, b, 4).transpose(1, 2).reshape(panels, b, 4 * LANES).contiguous()
 
 
 def _half(t: torch.Tensor) -> torch.Tensor:
@@ -77,7 +88,7 @@ class StableLinear(nn.Module):
         load_kernels()
         weight = linear.weight.detach()  # [N, K]
         self.in_features, self.out_features, self.storage = linear.in_features, linear.out_features, storage
-        if storage in ("q8_0", "q4_1") and self.in_features % GROUP:
+        if storage in QUANTIZED and self.in_features % GROUP:
             raise EagleLabError(f"target.weights={storage}: in_features must be a multiple of {GROUP}, "
                                 f"got {self.in_features}")
         if storage == "f32":
@@ -94,6 +105,18 @@ class StableLinear(nn.Module):
             self.register_buffer("nibbles", _to_panels(pairs[..., 0] | (pairs[..., 1] << 4)))  # [P, K/2, 16]
             self.register_buffer("scales", _to_panels(scale))
             self.register_buffer("minimums", _to_panels(minimum))
+        elif storage == "q8_0x8":
+            q, scale = fit_q8_0(weight)
+            self.register_buffer("q", _to_byte_panels(q.view(q.shape[0], -1, 4)))  # [P, K/4, 64] int8
+            self.register_buffer("scales", _to_panels(scale))  # [P, K/32, 16]
+            sums = q.view(q.shape[0], -1, GROUP).sum(-1, dtype=torch.int32)  # [N, K/32]
+            self.register_buffer("sums", _to_panels(sums))  # [P, K/32, 16] int32
+        elif storage == "q4_1x8":
+            q, scale, minimum = fit_q4_1(weight)
+            halves = q.view(q.shape[0], -1, 2, 4)  # [N, K/8, 2, 4]: k = 8t + 4h + b
+            self.register_buffer("nibbles", _to_byte_panels(halves[:, :, 0] | (halves[:, :, 1] << 4)))  # [P, K/8, 64]
+            self.register_buffer("scales", _to_panels(scale))
+            self.register_buffer("minimums", _to_panels(minimum))
         else:
             raise EagleLabError(f"unknown weight storage '{storage}'")
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
@@ -104,6 +127,10 @@ class StableLinear(nn.Module):
         ops = torch.ops.eagle_lab_kernels
         if self.storage == "q4_1":
             return ops.stable_linear_q4(x, self.nibbles, self.scales, self.minimums, self.bias, self.out_features)
+        if self.storage == "q4_1x8":
+            return ops.stable_linear_q4x8(x, self.nibbles, self.scales, self.minimums, self.bias, self.out_features)
+        if self.storage == "q8_0x8":
+            return ops.stable_linear_q8x8(x, self.q, self.scales, self.sums, self.bias, self.out_features)
         if self.storage == "q8_0":
             return ops.stable_linear_q8(x, self.q, self.scales, self.bias, self.out_features)
         return ops.stable_linear(x, self.panels, self.bias, self.out_features)
@@ -178,5 +205,5 @@ def load_kernels() -> None:
     def shape(x, *args):
         return x.new_empty(*x.shape[:-1], args[-1])
 
-    for op in ("stable_linear", "stable_linear_q8", "stable_linear_q4"):
+    for op in ("stable_linear", "stable_linear_q8", "stable_linear_q4", "stable_linear_q4x8", "stable_linear_q8x8"):
         torch.library.register_fake(f"eagle_lab_kernels::{op}")(shape)

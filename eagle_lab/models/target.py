@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from eagle_lab.models.attention import use_native_gqa
-from eagle_lab.models.device import resolve_device, resolve_dtype
+from eagle_lab.models.attention import use_cpu_attention
+from eagle_lab.models.device import cpu_flags, resolve_device, resolve_dtype
 from eagle_lab.models.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.model_shape import ModelShape
@@ -166,8 +166,8 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
             raise EagleLabError(f"target '{cfg.name}' has source=pretrained but no target.path")
         model, tokenizer = _load_pretrained(path, dtype, cfg)
     model = model.to(device=device, dtype=dtype)
-    if device.type == "cpu":
-        use_native_gqa(model)  # key/value heads read in place, not copied per query head
+    if not trainable_layers:
+        use_cpu_attention(model)  # row-stable steps and trees on CPU (no autograd through it)
     weights = "fp32" if trainable_layers else shipped_weights(cfg)
     if trainable_layers and cfg.weights not in ("auto", "fp32"):
         raise EagleLabError(f"training reads the target's float weights; target.weights={cfg.weights} is for decoding")
@@ -184,13 +184,17 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
 
 
 def shipped_weights(cfg: TargetConfig) -> str:
-    """target.weights with `auto` resolved: int4 for the embedded target on CPU (its GGUF is Q4_1 with a Q8_0
-    LM head, so int4 holds bitwise the weights fp32 holds, in a quarter of the bytes), else fp32."""
+    """target.weights with `auto` resolved. The embedded target on CPU runs at its GGUF's precision (Q4_1 with a
+    Q8_0 LM head): w4a8 where the CPU has AVX512-VNNI (integer dot products over int8 activations, as llama.cpp
+    computes that file: the fastest lossless choice there), else int4 (the same weights over float32
+    activations, bitwise the numbers fp32 holds). Other targets: fp32."""
     if cfg.weights != "auto":
         return cfg.weights
     device = resolve_device(cfg.device)
     on_cpu = device.type == "cpu" and resolve_dtype(cfg.dtype, device) == torch.float32
-    return "int4" if cfg.source == "embedded" and on_cpu else "fp32"
+    if cfg.source != "embedded" or not on_cpu:
+        return "fp32"
+    return "w4a8" if "avx512_vnni" in cpu_flags() else "int4"
 
 
 def _load_pretrained(path: str, dtype: torch.dtype, cfg: TargetConfig):

@@ -39,7 +39,8 @@ PLAIN = BatchTree(TreeShape(0, 0, 0), 0)
 # that may move the round's cost has them timed again instead of reused.
 ROUND_SOURCES = ("serving/batching.py", "serving/sequence.py", "serving/batch_draft.py", "serving/timed_batch.py",
                  "serving/batch_trees.py", "decoding/static_rows.py", "decoding/verify.py", "decoding/compiled.py",
-                 "decoding/graph_store.py", "drafters/eagle/head_runner.py")
+                 "decoding/graph_store.py", "drafters/eagle/head_runner.py", "models/kernels/stable_linear.cpp",
+                 "models/kernels/stable_attention.cpp")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_lab.decoding.compiled import STEP_SOURCES as TARGET_STEP_SOURCES
+from eagle_lab.decoding.compiled import KERNEL_SOURCES, STEP_SOURCES as TARGET_STEP_SOURCES
 from eagle_lab.decoding.graph_store import source_digest
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.head_step import STEP_SOURCES as HEAD_STEP_SOURCES
@@ -66,8 +66,9 @@ from eagle_lab.tree_search.validate import VALIDATE_TOP, is_plain, measured_best
 log = logging.getLogger(__name__)
 # what a timed round runs besides the models: the steps (their packages' sources, the code that calls them),
 # the loop, the drafter
-ROUND_CODE = (*TARGET_STEP_SOURCES, *HEAD_STEP_SOURCES, "decoding/compiled.py", "decoding/graph_store.py",
-              "drafters/eagle/head_runner.py", "decoding/static_rows.py", "decoding/round.py", "decoding/generate.py",
+ROUND_CODE = (*TARGET_STEP_SOURCES, *HEAD_STEP_SOURCES, *KERNEL_SOURCES, "decoding/compiled.py",
+              "decoding/graph_store.py", "drafters/eagle/head_runner.py", "decoding/static_rows.py", "decoding/round.py",
+              "decoding/generate.py",
               "decoding/verify.py", "decoding/backend.py", "decoding/scoring.py", "drafters/eagle/drafter.py",
               "drafters/growth.py", "drafters/ngram.py")
 CALIBRATION_PROMPTS = (

@@ -21,6 +21,7 @@ from eagle_lab.decoding.compiled import call_known_graph, raise_recompile_limits
 from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache
 from eagle_lab.drafters.eagle.head_step import STEP_SOURCES, HeadStep, BoundHeadStep
+from eagle_lab.models.native import op_schemas
 from eagle_lab.models.target import additive_mask
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,8 @@ class HeadStepRunner:
         bound = BoundHeadStep(self.module, args[7], args[8])
         tensors = args[:7]
         store_key = self.store.key("head-step", bound, tensors, {"k": args[7], "from_draft": args[8],
-                                                                  "arch": self.module.head.arch}, STEP_SOURCES)
+                                                                  "arch": self.module.head.arch, "ops": op_schemas()},
+                                      STEP_SOURCES)
         what = f"the head step for {key[0]} rows over a {key[1]}-slot cache"
         runner = (self.store.load_or_build(store_key, bound, tensors, what) if self.build
                   else self.store.load(store_key, bound))

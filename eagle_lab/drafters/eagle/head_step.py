@@ -18,7 +18,7 @@ from eagle_lab.drafters.eagle.head import EagleHead
 
 # what the head step's packages are built from
 STEP_SOURCES = ("drafters/eagle/head_step.py", "drafters/eagle/head.py", "drafters/eagle/eagle3.py",
-                "models/stable_linear.py", "models/kernels/stable_linear.cpp")
+                "models/stable_linear.py")  # the kernels it calls are not in it (decoding/compiled.py)
 
 
 class HeadStep(nn.Module):

@@ -12,14 +12,27 @@
 //   q4_1  [P, K/2, 16] uint8 (k = 2j in the low nibble, 2j + 1 in the high), scales and minimums
 //         [P, K/32, 16]: w = q * scale + minimum (GGUF Q4_1)
 // Weights are widened to float32 and every product and sum is float32.
+//
+// The "x8" formats compute the way llama.cpp computes its quantized types: each row of x is quantized to
+// int8 in groups of 32 along K (a float32 scale per group, GGUF Q8_0/Q8_1), and each group's dot product
+// with the weights is an exact integer sum (AVX512-VNNI's vpdpbusd where the CPU has it), scaled into a
+// float32 accumulator group by group:
+//   q4_1x8  [P, K/8, 64] uint8: for 8 consecutive k, each of the 16 columns holds 4 bytes, byte b with
+//           k = 8t + b in its low nibble and k = 8t + 4 + b in its high one; scales and minimums as q4_1
+//   q8_0x8  [P, K/4, 64] int8: 4 consecutive k per column; scales as q8_0, and each group's sum of
+//           weights [P, K/32, 16] int32 (the unsigned-by-signed product needs it)
+// A row's quantization depends on that row alone and every sum runs in a fixed order, so these formats
+// are row-stable too.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -68,10 +81,14 @@ struct F32Panel {
   int64_t K;
   template <class Visit>
   inline void each_k(Visit visit) const {
-    for (int64_t k = 0; k < K; ++k) {
+    int64_t k = 0;
+    for (; k + 1 < K; k += 2) {
       prefetch(w + k * LANES);
-      visit(k, load_f32(w + k * LANES));
+      prefetch(w + (k + 1) * LANES);
+      visit(k, load_f32(w + k * LANES), 0);
+      visit(k + 1, load_f32(w + (k + 1) * LANES), 1);
     }
+    if (k < K) visit(k, load_f32(w + k * LANES), 0);
   }
 };
 
@@ -80,15 +97,21 @@ struct BF16Panel {
   int64_t K;
   template <class Visit>
   inline void each_k(Visit visit) const {
-    for (int64_t k = 0; k < K; ++k) {
-      if ((k & 1) == 0) prefetch(w + k * LANES);
-      u16x16 h;
-      std::memcpy(&h, w + k * LANES, sizeof h);
-      u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
-      f32x16 v;
-      std::memcpy(&v, &bits, sizeof v);
-      visit(k, v);
+    int64_t k = 0;
+    for (; k + 1 < K; k += 2) {
+      prefetch(w + k * LANES);
+      visit(k, at(k), 0);
+      visit(k + 1, at(k + 1), 1);
     }
+    if (k < K) visit(k, at(k), 0);
+  }
+  inline f32x16 at(int64_t k) const {  // bf16 bits widened to float32 exactly
+    u16x16 h;
+    std::memcpy(&h, w + k * LANES, sizeof h);
+    u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+    f32x16 v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
   }
 };
 
@@ -96,14 +119,17 @@ struct Q8Panel {
   const int8_t* q;
   const float* scales;
   int64_t K;
+  inline f32x16 at(int64_t k) const {
+    return __builtin_convertvector(widen_bytes<true>(reinterpret_cast<const uint8_t*>(q + k * LANES)), f32x16);
+  }
   template <class Visit>
   inline void each_k(Visit visit) const {
     for (int64_t g = 0; g < K / GROUP; ++g) {
       const f32x16 scale = load_f32(scales + g * LANES);
-      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
+      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 2) {
         if ((k & 3) == 0) prefetch(q + k * LANES);
-        const i32x16 wide = widen_bytes<true>(reinterpret_cast<const uint8_t*>(q + k * LANES));
-        visit(k, __builtin_convertvector(wide, f32x16) * scale);
+        visit(k, at(k) * scale, 0);
+        visit(k + 1, at(k + 1) * scale, 1);
       }
     }
   }
@@ -121,26 +147,30 @@ struct Q4Panel {
       for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 2) {
         if ((k & 7) == 0) prefetch(nibbles + (k / 2) * LANES);
         const i32x16 q = widen_bytes<false>(nibbles + (k / 2) * LANES);
-        visit(k, __builtin_convertvector(q & 15, f32x16) * scale + minimum);
-        visit(k + 1, __builtin_convertvector(q >> 4, f32x16) * scale + minimum);
+        visit(k, __builtin_convertvector(q & 15, f32x16) * scale + minimum, 0);
+        visit(k + 1, __builtin_convertvector(q >> 4, f32x16) * scale + minimum, 1);
       }
     }
   }
 };
 
 // ROWS rows of x (row stride K) by one panel: out[r, c] for c < cols.
+// Each row sums even and odd k in two accumulators, added at the end: two chains of dependent FMAs in
+// flight instead of one, which at a few rows bound the loop by the FMA's latency. Panels visit k with its
+// chain (k & 1), so the order of every sum is fixed whatever ROWS is.
 template <int ROWS, class Panel>
 inline void rows_by_panel(const Panel& panel, const float* x, int64_t K, const float* bias, int64_t cols, float* out,
                           int64_t out_stride) {
-  f32x16 acc[ROWS];
-  for (int r = 0; r < ROWS; ++r) acc[r] = f32x16{};
-  panel.each_k([&](int64_t k, f32x16 w) {
+  f32x16 acc[2][ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[0][r] = acc[1][r] = f32x16{};
+  panel.each_k([&](int64_t k, f32x16 w, int chain) {
 #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) acc[r] += w * x[r * K + k];
+    for (int r = 0; r < ROWS; ++r) acc[chain][r] += w * x[r * K + k];
   });
   for (int r = 0; r < ROWS; ++r) {
+    const f32x16 sum = acc[0][r] + acc[1][r];
     float lanes[LANES];
-    std::memcpy(lanes, &acc[r], sizeof lanes);
+    std::memcpy(lanes, &sum, sizeof lanes);
     for (int64_t c = 0; c < cols; ++c) out[r * out_stride + c] = bias ? lanes[c] + bias[c] : lanes[c];
   }
 }
@@ -249,16 +279,263 @@ at::Tensor stable_linear_q4(const at::Tensor& x, const at::Tensor& nibbles, cons
   });
 }
 
+// ---- int8 activations ----
+
+// Each row of x [M, K] quantized in groups of 32: q = round(x / d) with d = max|x| / 127, and per group the
+// scale d and d * sum(q) (what Q4_1's minimum multiplies).
+struct QuantizedRows {
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<uint8_t> biased;  // [M, K] q + 128 (the unsigned operand against signed weights)
+  std::vector<float> scale;   // [M, K/32]
+  std::vector<float> scaled_sum;  // [M, K/32]
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, bool biased) {
+  const int64_t groups = K / GROUP;
+  QuantizedRows out{std::vector<int8_t>(M * K), std::vector<uint8_t>(biased ? M * K : 0),
+                    std::vector<float>(M * groups), std::vector<float>(M * groups)};
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xs = x + m * K + g * GROUP;
+      float amax = 0.f;
+      for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xs[j]));
+      const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+      int32_t sum = 0;
+      for (int64_t j = 0; j < GROUP; ++j) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(xs[j] * inverse));
+        out.q[m * K + g * GROUP + j] = static_cast<int8_t>(q);
+        if (biased) out.biased[m * K + g * GROUP + j] = static_cast<uint8_t>(q + 128);
+        sum += q;
+      }
+      out.scale[m * groups + g] = d;
+      out.scaled_sum[m * groups + g] = d * static_cast<float>(sum);
+    }
+  }
+  return out;
+}
+
+// acc + for each 32-bit lane, the sum of its 4 unsigned bytes of `a` times the 4 signed bytes of `b`.
+inline i32x16 dot4(i32x16 acc, i32x16 a, i32x16 b) {
+#if defined(__AVX512VNNI__)
+  __m512i va, vb, vacc;
+  std::memcpy(&va, &a, 64);
+  std::memcpy(&vb, &b, 64);
+  std::memcpy(&vacc, &acc, 64);
+  vacc = _mm512_dpbusd_epi32(vacc, va, vb);
+  std::memcpy(&acc, &vacc, 64);
+  return acc;
+#else
+#pragma GCC unroll 4
+  for (int byte = 0; byte < 4; ++byte) {
+    const i32x16 ua = (a >> (8 * byte)) & 0xFF;
+    const i32x16 sb = (b << (24 - 8 * byte)) >> 24;  // arithmetic: sign-extended
+    acc += ua * sb;
+  }
+  return acc;
+#endif
+}
+
+inline i32x16 load_i32(const void* p) {
+  i32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline i32x16 broadcast4(const void* p) {  // 4 bytes repeated in every lane
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  return i32x16{} + word;
+}
+
+struct Q4x8Panel {
+  const uint8_t* packed;  // [K/8, 64]
+  const float* scales;
+  const float* minimums;
+  using Row = int8_t;  // x quantized: q
+  static constexpr bool biased = false;
+  // rows' integer dot products over group g: isum[r] for r < ROWS
+  template <int ROWS>
+  inline void group(int64_t g, const int8_t* const* xq, i32x16* isum) const {
+#pragma GCC unroll 4
+    for (int t = 0; t < GROUP / 8; ++t) {
+      const i32x16 v = load_i32(packed + (g * (GROUP / 8) + t) * 64);
+      const i32x16 low = v & 0x0F0F0F0F, high = (v >> 4) & 0x0F0F0F0F;
+      const int64_t k = g * GROUP + 8 * t;
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        isum[r] = dot4(isum[r], low, broadcast4(xq[r] + k));
+        isum[r] = dot4(isum[r], high, broadcast4(xq[r] + k + 4));
+      }
+    }
+  }
+  inline f32x16 term(int64_t g, i32x16 isum, float d, float scaled_sum) const {
+    return __builtin_convertvector(isum, f32x16) * (load_f32(scales + g * LANES) * d) +
+           load_f32(minimums + g * LANES) * scaled_sum;
+  }
+};
+
+struct Q8x8Panel {
+  const int8_t* packed;  // [K/4, 64]
+  const float* scales;
+  const int32_t* sums;  // [K/32, 16]
+  using Row = uint8_t;  // x quantized and biased: q + 128
+  static constexpr bool biased = true;
+  template <int ROWS>
+  inline void group(int64_t g, const uint8_t* const* xu, i32x16* isum) const {
+#pragma GCC unroll 8
+    for (int t = 0; t < GROUP / 4; ++t) {
+      const i32x16 w = load_i32(packed + (g * (GROUP / 4) + t) * 64);
+      const int64_t k = g * GROUP + 4 * t;
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) isum[r] = dot4(isum[r], broadcast4(xu[r] + k), w);
+    }
+    const i32x16 correction = load_i32(sums + g * LANES) * 128;  // (q + 128) . w - 128 * sum(w) = q . w
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) isum[r] -= correction;
+  }
+  inline f32x16 term(int64_t g, i32x16 isum, float d, float) const {
+    return __builtin_convertvector(isum, f32x16) * (load_f32(scales + g * LANES) * d);
+  }
+};
+
+// ROWS quantized rows by one panel; every row's groups are added into its accumulator in order.
+template <int ROWS, class Panel>
+inline void quantized_rows_by_panel(const Panel& panel, const QuantizedRows& xq, int64_t m0, int64_t K,
+                                    const float* bias, int64_t cols, float* out, int64_t out_stride) {
+  const int64_t groups = K / GROUP;
+  using Row = typename Panel::Row;
+  f32x16 acc[ROWS];
+  const Row* rows[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    acc[r] = f32x16{};
+    if constexpr (Panel::biased) {
+      rows[r] = xq.biased.data() + (m0 + r) * K;
+    } else {
+      rows[r] = xq.q.data() + (m0 + r) * K;
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    i32x16 isum[ROWS];
+    for (int r = 0; r < ROWS; ++r) isum[r] = i32x16{};
+    panel.template group<ROWS>(g, rows, isum);
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t at = (m0 + r) * groups + g;
+      acc[r] += panel.term(g, isum[r], xq.scale[at], xq.scaled_sum[at]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    float lanes[LANES];
+    std::memcpy(lanes, &acc[r], sizeof lanes);
+    for (int64_t c = 0; c < cols; ++c) out[r * out_stride + c] = bias ? lanes[c] + bias[c] : lanes[c];
+  }
+}
+
+template <class Panel>
+void all_quantized_rows_by_panel(const Panel& panel, const QuantizedRows& xq, int64_t M, int64_t K,
+                                 const float* bias, int64_t cols, float* out, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += MAX_BLOCK_ROWS) {
+    float* o = out + m0 * N;
+    switch (std::min(MAX_BLOCK_ROWS, M - m0)) {
+      case 1: quantized_rows_by_panel<1>(panel, xq, m0, K, bias, cols, o, N); break;
+      case 2: quantized_rows_by_panel<2>(panel, xq, m0, K, bias, cols, o, N); break;
+      case 3: quantized_rows_by_panel<3>(panel, xq, m0, K, bias, cols, o, N); break;
+      case 4: quantized_rows_by_panel<4>(panel, xq, m0, K, bias, cols, o, N); break;
+#ifdef __AVX512F__
+      case 5: quantized_rows_by_panel<5>(panel, xq, m0, K, bias, cols, o, N); break;
+      case 6: quantized_rows_by_panel<6>(panel, xq, m0, K, bias, cols, o, N); break;
+      case 7: quantized_rows_by_panel<7>(panel, xq, m0, K, bias, cols, o, N); break;
+      case 8: quantized_rows_by_panel<8>(panel, xq, m0, K, bias, cols, o, N); break;
+#endif
+    }
+  }
+}
+
+template <class PanelAt>
+at::Tensor run_quantized(const at::Tensor& x, int64_t panels, int64_t K, int64_t N,
+                         const std::optional<at::Tensor>& bias, bool biased, PanelAt panel_at) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K,
+              "stable_linear: x must be a float32 CPU tensor [..., ", K, "]");
+  TORCH_CHECK(K % GROUP == 0, "stable_linear: K must be a multiple of 32 for int8 activations");
+  TORCH_CHECK(panels * LANES >= N && N > panels * LANES - LANES, "stable_linear: ", panels,
+              " panels cannot hold ", N, " output columns");
+  const at::Tensor flat = x.reshape({-1, K}).contiguous();  // [M, K]
+  const int64_t M = flat.size(0);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());  // [M, N]
+  const float* b = nullptr;
+  at::Tensor bias_c;
+  if (bias.has_value()) {
+    bias_c = bias->contiguous();
+    TORCH_CHECK(bias_c.scalar_type() == at::kFloat && bias_c.numel() == N, "stable_linear: bias must be float32 [",
+                N, "]");
+    b = bias_c.data_ptr<float>();
+  }
+  float* o = out.data_ptr<float>();
+  if (M > 0) {
+    const QuantizedRows xq = quantize_rows(flat.data_ptr<float>(), M, K, biased);
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        all_quantized_rows_by_panel(panel_at(p), xq, M, K, b ? b + p * LANES : nullptr,
+                                    std::min(LANES, N - p * LANES), o + p * LANES, N);
+      }
+    });
+  }
+  return out.view(sizes);
+}
+
+void check_packed(const at::Tensor& t, at::ScalarType dtype, int64_t k_per_block, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 3 && t.size(2) == 4 * LANES && t.scalar_type() == dtype &&
+                  t.is_contiguous(), "stable_linear: ", what, " must be contiguous ", c10::toString(dtype),
+              " [P, K/", k_per_block, ", 64]");
+}
+
+at::Tensor stable_linear_q4x8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                              const at::Tensor& minimums, const std::optional<at::Tensor>& bias, int64_t N) {
+  check_packed(packed, at::kByte, 8, "q4_1x8 weights");
+  const int64_t P = packed.size(0), K = packed.size(1) * 8;
+  check_groups(scales, P, K);
+  check_groups(minimums, P, K);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const float* m = minimums.data_ptr<float>();
+  const int64_t groups = K / GROUP;
+  return run_quantized(x, P, K, N, bias, false, [&](int64_t p) {
+    return Q4x8Panel{w + p * (K / 2) * LANES, s + p * groups * LANES, m + p * groups * LANES};
+  });
+}
+
+at::Tensor stable_linear_q8x8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                              const at::Tensor& sums, const std::optional<at::Tensor>& bias, int64_t N) {
+  check_packed(packed, at::kChar, 4, "q8_0x8 weights");
+  const int64_t P = packed.size(0), K = packed.size(1) * 4;
+  check_groups(scales, P, K);
+  TORCH_CHECK(sums.scalar_type() == at::kInt && sums.is_contiguous() && sums.dim() == 3 && sums.size(0) == P &&
+                  sums.size(1) == K / GROUP && sums.size(2) == LANES,
+              "stable_linear: group sums must be contiguous int32 [P, K/32, 16]");
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int32_t* sum = sums.data_ptr<int32_t>();
+  const int64_t groups = K / GROUP;
+  return run_quantized(x, P, K, N, bias, true, [&](int64_t p) {
+    return Q8x8Panel{w + p * K * LANES, s + p * groups * LANES, sum + p * groups * LANES};
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(eagle_lab_kernels, m) {
   m.def("stable_linear(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
   m.def("stable_linear_q8(Tensor x, Tensor q, Tensor scales, Tensor? bias, int n) -> Tensor");
   m.def("stable_linear_q4(Tensor x, Tensor nibbles, Tensor scales, Tensor minimums, Tensor? bias, int n) -> Tensor");
+  m.def("stable_linear_q4x8(Tensor x, Tensor packed, Tensor scales, Tensor minimums, Tensor? bias, int n) -> Tensor");
+  m.def("stable_linear_q8x8(Tensor x, Tensor packed, Tensor scales, Tensor sums, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eagle_lab_kernels, CPU, m) {
   m.impl("stable_linear", &stable_linear);
   m.impl("stable_linear_q8", &stable_linear_q8);
   m.impl("stable_linear_q4", &stable_linear_q4);
+  m.impl("stable_linear_q4x8", &stable_linear_q4x8);
+  m.impl("stable_linear_q8x8", &stable_linear_q8x8);
 }
