@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -98,7 +99,155 @@ inline float dot(const float* q, const float* k, int64_t D) {
   return total;
 }
 
-constexpr int64_t QUERY_TILE = 4;  // queries whose value sums share one read of each value row
+// A query's 16-lane partial products with a key: q . k before its lanes are added (D % 16 == 0).
+inline f32x16 partial_dot(const float* q, const float* k, int64_t D) {
+  f32x16 acc = load16(q) * load16(k);
+  for (int64_t d = 16; d < D; d += 16) acc += load16(q + d) * load16(k + d);
+  return acc;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// The lane sums of four partials at once, each in the same fixed order: within 128-bit blocks lanes 0+2 and 1+3,
+// then those two, then the blocks 0+2 and 1+3, then those two. A key's sum never depends on the other three.
+inline void four_sums(const f32x16* partial, float* out) {
+  __m512 p[4];
+  std::memcpy(p, partial, sizeof p);
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(p[0], p[1]), _mm512_unpackhi_ps(p[0], p[1]));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(p[2], p[3]), _mm512_unpackhi_ps(p[2], p[3]));
+  const __m512 blocks = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));  // [a b c d] per block
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(blocks), _mm512_extractf32x8_ps(blocks, 1));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1)));
+}
+#endif
+
+// scores[t, s] = q[t] . k[s] for T queries [T, D] and S keys (row stride k_stride), each in one fixed order.
+inline void scores(const float* q, int64_t T, int64_t D, const float* k, int64_t k_stride, int64_t S,
+                   float* out) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  if (D % 16 == 0) {
+    for (int64_t s0 = 0; s0 < S; s0 += 4) {
+      const int64_t n = std::min<int64_t>(4, S - s0);
+      for (int64_t t = 0; t < T; ++t) {
+        f32x16 partial[4] = {};
+        for (int64_t j = 0; j < n; ++j) partial[j] = partial_dot(q + t * D, k + (s0 + j) * k_stride, D);
+        float sums[4];
+        four_sums(partial, sums);
+        for (int64_t j = 0; j < n; ++j) out[t * S + s0 + j] = sums[j];
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t t = 0; t < T; ++t) out[t * S + s] = dot(q + t * D, k + s * k_stride, D);
+}
+
+// One query's scores [S] -> exp(factor * score + mask - max) in place (0 for hidden keys); returns their sum, over
+// 16 lanes (key s in lane s % 16, hidden keys adding 0, so more masked keys change nothing), then the lanes.
+inline float softmax_numerators(float* w, int64_t S, float factor, const Mask& m, int64_t b, int64_t t,
+                                float* bias) {
+  constexpr float NONE = -std::numeric_limits<float>::infinity();
+  for (int64_t s = 0; s < S; ++s) {  // the mask as an additive row, NONE where hidden
+    bool hidden;
+    const float value = m.at(b, t, s, hidden);
+    bias[s] = hidden ? NONE : value;
+  }
+  const f32x16 none = f32x16{} + NONE, zero{};
+  f32x16 top = none;
+  for (int64_t s0 = 0; s0 < S; s0 += 16) {  // a short last block goes through the same vector arithmetic
+    const int64_t n = std::min<int64_t>(16, S - s0);
+    float scores16[16], bias16[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      scores16[i] = i < n ? w[s0 + i] : 0.f;
+      bias16[i] = i < n ? bias[s0 + i] : NONE;
+    }
+    const f32x16 x = load16(scores16) * factor + load16(bias16);  // NONE stays NONE
+    std::memcpy(w + s0, &x, n * sizeof(float));
+    top = x > top ? x : top;
+  }
+  float high = NONE;
+  {
+    float l[16];
+    std::memcpy(l, &top, sizeof l);
+    for (int i = 0; i < 16; ++i) high = std::max(high, l[i]);
+  }
+  if (high == NONE) {
+    std::fill(w, w + S, 0.f);
+    return 0.f;
+  }
+  f32x16 lanes{};
+  for (int64_t s0 = 0; s0 < S; s0 += 16) {
+    const int64_t n = std::min<int64_t>(16, S - s0);
+    f32x16 x;
+    if (n == 16) {
+      x = load16(w + s0);
+    } else {
+      float block[16];
+      for (int64_t i = 0; i < 16; ++i) block[i] = i < n ? w[s0 + i] : NONE;
+      x = load16(block);
+    }
+    const f32x16 e = x == none ? zero : exp_nonpositive(x - high);
+    lanes += e;
+    std::memcpy(w + s0, &e, n * sizeof(float));
+  }
+  return lanes_sum(lanes);
+}
+
+constexpr int64_t QUERY_TILE = 4;  // queries whose value sums share one read of each value row (any D)
+
+// out[t] = sum_s w[t, s] v[s] / total[t] for the TILE queries t0.. with D = 16 * NV: per query two accumulators in
+// registers, one for even s and one for odd s, added at the end (so two FMA chains are in flight), whatever
+// the tile; hidden keys (weight 0) are skipped.
+template <int NV, int TILE>
+inline void weighted_values(const float* weights, int64_t S, int64_t t0, int64_t tiles, const float* vb,
+                            int64_t v_stride, const float* totals, float* const* outs) {
+  f32x16 acc[2][TILE][NV];
+  for (int c = 0; c < 2; ++c)
+    for (int i = 0; i < TILE; ++i)
+      for (int j = 0; j < NV; ++j) acc[c][i][j] = f32x16{};
+  for (int64_t s = 0; s < S; ++s) {
+    const float* vr = vb + s * v_stride;
+    f32x16 v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load16(vr + 16 * j);
+    const int c = s & 1;
+    for (int i = 0; i < TILE; ++i) {
+      if (i >= tiles) break;
+      const float p = weights[(t0 + i) * S + s];
+      if (p == 0.f) continue;  // hidden: adds nothing
+      for (int j = 0; j < NV; ++j) acc[c][i][j] += p * v[j];
+    }
+  }
+  for (int i = 0; i < TILE && i < tiles; ++i) {
+    if (totals[t0 + i] == 0.f) continue;  // nothing visible: zeros
+    for (int j = 0; j < NV; ++j) {
+      const f32x16 o = (acc[0][i][j] + acc[1][i][j]) / totals[t0 + i];
+      std::memcpy(outs[i] + 16 * j, &o, sizeof o);
+    }
+  }
+}
+
+// weighted_values for every query, in tiles sized to keep the accumulators in registers; false for a D it
+// does not cover (then the generic loop runs).
+inline bool weighted_values_all(const float* weights, int64_t S, int64_t T, int64_t D, const float* vb,
+                                int64_t v_stride, const float* totals, float* o_first, int64_t o_step) {
+  auto run = [&](auto nv, auto tile) {
+    constexpr int NV = decltype(nv)::value, TILE = decltype(tile)::value;
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+      float* outs[TILE];
+      for (int i = 0; i < TILE; ++i) outs[i] = o_first + (t0 + i) * o_step;
+      weighted_values<NV, TILE>(weights, S, t0, std::min<int64_t>(TILE, T - t0), vb, v_stride, totals, outs);
+    }
+  };
+  switch (D) {
+    case 16: run(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{}); return true;
+    case 32: run(std::integral_constant<int, 2>{}, std::integral_constant<int, 4>{}); return true;
+    case 64: run(std::integral_constant<int, 4>{}, std::integral_constant<int, 2>{}); return true;
+    case 128: run(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{}); return true;
+    default: return false;
+  }
+}
 
 at::Tensor stable_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const std::optional<at::Tensor>& mask, double scale) {
@@ -136,48 +285,20 @@ at::Tensor stable_attention(const at::Tensor& query, const at::Tensor& key, cons
   constexpr float NONE = -std::numeric_limits<float>::infinity();
   // one task per (batch, query head): its T queries share each key and value row read
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> weights(T * S);  // [T, S] scores, then exp(score - max); NONE / 0 where hidden
+    std::vector<float> weights(T * S);  // [T, S] scores, then exp(score - max); 0 where hidden
+    std::vector<float> bias(S);
     std::vector<float> acc(QUERY_TILE * D);
     for (int64_t index = begin; index < end; ++index) {
       const int64_t h = index % H, b = index / H;
       const float* qh = qs + (b * H + h) * T * D;  // [T, D]
       const float* kb = ks + b * key.stride(0) + (h / group) * key.stride(1);
       const float* vb = vs + b * value.stride(0) + (h / group) * value.stride(1);
-      for (int64_t s = 0; s < S; ++s) {
-        const float* kr = kb + s * key.stride(2);
-        for (int64_t t = 0; t < T; ++t) weights[t * S + s] = dot(qh + t * D, kr, D);
-      }
+      scores(qh, T, D, kb, key.stride(2), S, weights.data());
       std::vector<float> totals(T, 0.f);
-      for (int64_t t = 0; t < T; ++t) {
-        float* w = weights.data() + t * S;
-        float top = NONE;
-        for (int64_t s = 0; s < S; ++s) {
-          bool hidden;
-          const float bias = m.at(b, t, s, hidden);
-          w[s] = hidden ? NONE : w[s] * factor + bias;
-          top = std::max(top, w[s]);
-        }
-        if (top == NONE) {
-          std::fill(w, w + S, 0.f);
-          continue;
-        }
-        // exp(w - top), 16 keys at a time; key s adds into lane s % 16, whatever S is (hidden keys add 0)
-        f32x16 lanes{};
-        for (int64_t s0 = 0; s0 < S; s0 += 16) {
-          float block[16];
-          const int64_t n = std::min<int64_t>(16, S - s0);
-          for (int64_t i = 0; i < 16; ++i) block[i] = i < n ? w[s0 + i] : NONE;
-          f32x16 x = load16(block);
-          const f32x16 e = exp_nonpositive(x - top);
-          float out[16];
-          std::memcpy(out, &e, sizeof out);
-          for (int64_t i = 0; i < n; ++i) out[i] = block[i] == NONE ? 0.f : out[i];
-          for (int64_t i = n; i < 16; ++i) out[i] = 0.f;
-          lanes += load16(out);
-          std::memcpy(w + s0, out, n * sizeof(float));
-        }
-        totals[t] = lanes_sum(lanes);
-      }
+      for (int64_t t = 0; t < T; ++t) totals[t] = softmax_numerators(weights.data() + t * S, S, factor, m, b, t,
+                                                                  bias.data());
+      float* o_first = os + (b * T * H + h) * D;  // query t's output at o_first + t * H * D
+      if (weighted_values_all(weights.data(), S, T, D, vb, value.stride(2), totals.data(), o_first, H * D)) continue;
       for (int64_t t0 = 0; t0 < T; t0 += QUERY_TILE) {
         const int64_t tiles = std::min(QUERY_TILE, T - t0);
         std::fill(acc.begin(), acc.end(), 0.f);
@@ -187,14 +308,7 @@ at::Tensor stable_attention(const at::Tensor& query, const at::Tensor& key, cons
             const float p = weights[(t0 + i) * S + s];
             if (p == 0.f) continue;  // hidden: adds nothing
             float* a = acc.data() + i * D;
-            if (D % 16 == 0) {
-              for (int64_t d = 0; d < D; d += 16) {
-                const f32x16 sum = load16(a + d) + p * load16(vr + d);
-                std::memcpy(a + d, &sum, sizeof sum);
-              }
-            } else {
-              for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
-            }
+            for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
           }
         }
         for (int64_t i = 0; i < tiles; ++i) {
