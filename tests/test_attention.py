@@ -69,3 +69,22 @@ def test_a_query_gets_bitwise_the_same_alone_among_others_and_over_more_masked_k
 def test_cpu_targets_use_it():
     target = load_target(TargetConfig(name="tiny_llama", source="tiny", device="cpu"))
     assert target.config._attn_implementation == NAME
+
+
+def test_a_tree_node_gets_bitwise_what_its_step_gets_after_the_path_is_compacted():
+    """In a tree a node's ancestors sit between siblings (slots past + 1, past + 3, ...); once accepted they are
+    moved next to each other, and the same token's one-token step sees them there. Same keys, other slots."""
+    load_attention_kernel()
+    g = torch.Generator().manual_seed(5)
+    past, slots = 33, 7
+    query = torch.randn(1, 6, 1, 64, generator=g)
+    key, value = (torch.randn(1, 2, past + slots, 64, generator=g) for _ in range(2))
+    path = [past + 1, past + 4, past + 6]  # the node's ancestors among its tree's slots, then itself
+    allowed = torch.zeros(1, 1, 1, past + slots, dtype=torch.bool)
+    allowed[..., :past] = True
+    allowed[..., path] = True
+    in_tree, _ = cpu_attention_forward(_module(3), query, key, value,
+                                       torch.zeros(allowed.shape).masked_fill(~allowed, LOWEST), scaling=0.125)
+    kept = list(range(past)) + path  # compacted: the accepted path right after the prefix
+    stepped, _ = cpu_attention_forward(_module(3), query, key[:, :, kept], value[:, :, kept], None, scaling=0.125)
+    assert torch.equal(in_tree, stepped)

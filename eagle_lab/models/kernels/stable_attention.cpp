@@ -55,12 +55,13 @@ inline float lanes_sum(f32x16 v) {  // always the same order
   __m512 z;
   std::memcpy(&z, &v, sizeof z);
   return _mm512_reduce_add_ps(z);
-#endif
+#else
   float l[16];
   std::memcpy(l, &v, sizeof l);
   for (int w = 8; w > 0; w /= 2)
     for (int i = 0; i < w; ++i) l[i] += l[i + w];
   return l[0];
+#endif
 }
 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -144,108 +145,85 @@ inline void scores(const float* q, int64_t T, int64_t D, const float* k, int64_t
     for (int64_t t = 0; t < T; ++t) out[t * S + s] = dot(q + t * D, k + s * k_stride, D);
 }
 
-// One query's scores [S] -> exp(factor * score + mask - max) in place (0 for hidden keys); returns their sum, over
-// 16 lanes (key s in lane s % 16, hidden keys adding 0, so more masked keys change nothing), then the lanes.
-inline float softmax_numerators(float* w, int64_t S, float factor, const Mask& m, int64_t b, int64_t t,
-                                float* bias) {
-  constexpr float NONE = -std::numeric_limits<float>::infinity();
-  for (int64_t s = 0; s < S; ++s) {  // the mask as an additive row, NONE where hidden
+// One query's visible keys, in increasing s: idx[r] = s and x[r] = factor * score + mask for the r-th visible key;
+// returns how many. Every later sum runs over r, so a key's place in it depends on the visible keys before it,
+// not on its slot: a tree's node and the same token's one-token step (its ancestors compacted into consecutive
+// slots) sum the same numbers in the same order.
+inline int64_t visible_keys(const float* raw, int64_t S, float factor, const Mask& m, int64_t b, int64_t t,
+                            int32_t* idx, float* x, float* bias) {
+  int64_t n = 0;
+  for (int64_t s = 0; s < S; ++s) {
     bool hidden;
     const float value = m.at(b, t, s, hidden);
-    bias[s] = hidden ? NONE : value;
+    if (hidden) continue;
+    idx[n] = static_cast<int32_t>(s);
+    x[n] = raw[s];
+    bias[n] = value;
+    ++n;
   }
-  const f32x16 none = f32x16{} + NONE, zero{};
-  f32x16 top = none;
-  for (int64_t s0 = 0; s0 < S; s0 += 16) {  // a short last block goes through the same vector arithmetic
-    const int64_t n = std::min<int64_t>(16, S - s0);
-    float scores16[16], bias16[16];
-    for (int64_t i = 0; i < 16; ++i) {
-      scores16[i] = i < n ? w[s0 + i] : 0.f;
-      bias16[i] = i < n ? bias[s0 + i] : NONE;
-    }
-    const f32x16 x = load16(scores16) * factor + load16(bias16);  // NONE stays NONE
-    std::memcpy(w + s0, &x, n * sizeof(float));
-    top = x > top ? x : top;
+  for (int64_t r0 = 0; r0 < n; r0 += 16) {  // a short last block goes through the same vector arithmetic
+    float scores16[16] = {}, bias16[16] = {};
+    const int64_t k = std::min<int64_t>(16, n - r0);
+    std::memcpy(scores16, x + r0, k * sizeof(float));
+    std::memcpy(bias16, bias + r0, k * sizeof(float));
+    const f32x16 y = load16(scores16) * factor + load16(bias16);
+    std::memcpy(x + r0, &y, k * sizeof(float));
   }
-  float high = NONE;
-  {
-    float l[16];
-    std::memcpy(l, &top, sizeof l);
-    for (int i = 0; i < 16; ++i) high = std::max(high, l[i]);
-  }
-  if (high == NONE) {
-    std::fill(w, w + S, 0.f);
-    return 0.f;
-  }
+  return n;
+}
+
+// x[0, n) -> exp(x - max) in place; returns their sum: rank r adds into lane r % 16, then the lanes.
+inline float softmax_numerators(float* x, int64_t n) {
+  if (n == 0) return 0.f;
+  float high = x[0];
+  for (int64_t r = 1; r < n; ++r) high = std::max(high, x[r]);
   f32x16 lanes{};
-  for (int64_t s0 = 0; s0 < S; s0 += 16) {
-    const int64_t n = std::min<int64_t>(16, S - s0);
-    f32x16 x;
-    if (n == 16) {
-      x = load16(w + s0);
-    } else {
-      float block[16];
-      for (int64_t i = 0; i < 16; ++i) block[i] = i < n ? w[s0 + i] : NONE;
-      x = load16(block);
-    }
-    const f32x16 e = x == none ? zero : exp_nonpositive(x - high);
-    lanes += e;
-    std::memcpy(w + s0, &e, n * sizeof(float));
+  for (int64_t r0 = 0; r0 < n; r0 += 16) {
+    const int64_t k = std::min<int64_t>(16, n - r0);
+    float block[16];
+    for (int64_t i = 0; i < 16; ++i) block[i] = i < k ? x[r0 + i] : high;
+    f32x16 e = exp_nonpositive(load16(block) - high);
+    float out[16];
+    std::memcpy(out, &e, sizeof out);
+    for (int64_t i = k; i < 16; ++i) out[i] = 0.f;  // padding adds nothing
+    lanes += load16(out);
+    std::memcpy(x + r0, out, k * sizeof(float));
   }
   return lanes_sum(lanes);
 }
 
-constexpr int64_t QUERY_TILE = 4;  // queries whose value sums share one read of each value row (any D)
-
-// out[t] = sum_s w[t, s] v[s] / total[t] for the TILE queries t0.. with D = 16 * NV: per query two accumulators in
-// registers, one for even s and one for odd s, added at the end (so two FMA chains are in flight), whatever
-// the tile; hidden keys (weight 0) are skipped.
-template <int NV, int TILE>
-inline void weighted_values(const float* weights, int64_t S, int64_t t0, int64_t tiles, const float* vb,
-                            int64_t v_stride, const float* totals, float* const* outs) {
-  f32x16 acc[2][TILE][NV];
+// out = sum_r p[r] v[idx[r]] / total with D = 16 * NV: two accumulators per 16 lanes in registers, one for even
+// ranks and one for odd ranks (two FMA chains in flight), added at the end.
+template <int NV>
+inline void weighted_values(const float* p, const int32_t* idx, int64_t n, const float* vb, int64_t v_stride,
+                            float total, float* out) {
+  f32x16 acc[2][NV];
   for (int c = 0; c < 2; ++c)
-    for (int i = 0; i < TILE; ++i)
-      for (int j = 0; j < NV; ++j) acc[c][i][j] = f32x16{};
-  for (int64_t s = 0; s < S; ++s) {
-    const float* vr = vb + s * v_stride;
-    f32x16 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = load16(vr + 16 * j);
-    const int c = s & 1;
-    for (int i = 0; i < TILE; ++i) {
-      if (i >= tiles) break;
-      const float p = weights[(t0 + i) * S + s];
-      if (p == 0.f) continue;  // hidden: adds nothing
-      for (int j = 0; j < NV; ++j) acc[c][i][j] += p * v[j];
-    }
+    for (int j = 0; j < NV; ++j) acc[c][j] = f32x16{};
+  for (int64_t r = 0; r < n; ++r) {
+    const float* vr = vb + idx[r] * v_stride;
+    const int c = r & 1;
+    for (int j = 0; j < NV; ++j) acc[c][j] += p[r] * load16(vr + 16 * j);
   }
-  for (int i = 0; i < TILE && i < tiles; ++i) {
-    if (totals[t0 + i] == 0.f) continue;  // nothing visible: zeros
-    for (int j = 0; j < NV; ++j) {
-      const f32x16 o = (acc[0][i][j] + acc[1][i][j]) / totals[t0 + i];
-      std::memcpy(outs[i] + 16 * j, &o, sizeof o);
-    }
+  for (int j = 0; j < NV; ++j) {
+    const f32x16 o = (acc[0][j] + acc[1][j]) / total;
+    std::memcpy(out + 16 * j, &o, sizeof o);
   }
 }
 
-// weighted_values for every query, in tiles sized to keep the accumulators in registers; false for a D it
-// does not cover (then the generic loop runs).
-inline bool weighted_values_all(const float* weights, int64_t S, int64_t T, int64_t D, const float* vb,
-                                int64_t v_stride, const float* totals, float* o_first, int64_t o_step) {
-  auto run = [&](auto nv, auto tile) {
-    constexpr int NV = decltype(nv)::value, TILE = decltype(tile)::value;
-    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
-      float* outs[TILE];
-      for (int i = 0; i < TILE; ++i) outs[i] = o_first + (t0 + i) * o_step;
-      weighted_values<NV, TILE>(weights, S, t0, std::min<int64_t>(TILE, T - t0), vb, v_stride, totals, outs);
-    }
-  };
+inline void weighted_values_any(const float* p, const int32_t* idx, int64_t n, const float* vb, int64_t v_stride,
+                                float total, float* out, int64_t D) {
   switch (D) {
-    case 16: run(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{}); return true;
-    case 32: run(std::integral_constant<int, 2>{}, std::integral_constant<int, 4>{}); return true;
-    case 64: run(std::integral_constant<int, 4>{}, std::integral_constant<int, 2>{}); return true;
-    case 128: run(std::integral_constant<int, 8>{}, std::integral_constant<int, 1>{}); return true;
-    default: return false;
+    case 16: weighted_values<1>(p, idx, n, vb, v_stride, total, out); return;
+    case 32: weighted_values<2>(p, idx, n, vb, v_stride, total, out); return;
+    case 64: weighted_values<4>(p, idx, n, vb, v_stride, total, out); return;
+    case 128: weighted_values<8>(p, idx, n, vb, v_stride, total, out); return;
+    default: break;
+  }
+  for (int64_t d = 0; d < D; ++d) {  // any other D: one sum in increasing rank
+    float sum = 0.f;
+    for (int64_t r = 0; r < n; ++r) sum += p[r] * vb[idx[r] * v_stride + d];
+    out[d] = sum / total;
   }
 }
 
@@ -275,48 +253,28 @@ at::Tensor stable_attention(const at::Tensor& query, const at::Tensor& key, cons
     m.stride_t = mask_c.stride(2);
     m.stride_s = mask_c.stride(3);
   }
-  at::Tensor out = at::zeros({B, T, H, D}, q.options());  // [B, T, H, D]
+  at::Tensor out = at::zeros({B, T, H, D}, q.options());  // [B, T, H, D]; a query that sees nothing stays 0
   const float* qs = q.data_ptr<float>();
   const float* ks = key.data_ptr<float>();
   const float* vs = value.data_ptr<float>();
   float* os = out.data_ptr<float>();
   const int64_t group = H / kvH;
   const float factor = static_cast<float>(scale);
-  constexpr float NONE = -std::numeric_limits<float>::infinity();
-  // one task per (batch, query head): its T queries share each key and value row read
+  // one task per (batch, query head): its T queries' scores share each key row read
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> weights(T * S);  // [T, S] scores, then exp(score - max); 0 where hidden
-    std::vector<float> bias(S);
-    std::vector<float> acc(QUERY_TILE * D);
+    std::vector<float> raw(T * S), x(S), bias(S);  // [T, S] scores; one query's visible keys
+    std::vector<int32_t> idx(S);
     for (int64_t index = begin; index < end; ++index) {
       const int64_t h = index % H, b = index / H;
       const float* qh = qs + (b * H + h) * T * D;  // [T, D]
       const float* kb = ks + b * key.stride(0) + (h / group) * key.stride(1);
       const float* vb = vs + b * value.stride(0) + (h / group) * value.stride(1);
-      scores(qh, T, D, kb, key.stride(2), S, weights.data());
-      std::vector<float> totals(T, 0.f);
-      for (int64_t t = 0; t < T; ++t) totals[t] = softmax_numerators(weights.data() + t * S, S, factor, m, b, t,
-                                                                  bias.data());
-      float* o_first = os + (b * T * H + h) * D;  // query t's output at o_first + t * H * D
-      if (weighted_values_all(weights.data(), S, T, D, vb, value.stride(2), totals.data(), o_first, H * D)) continue;
-      for (int64_t t0 = 0; t0 < T; t0 += QUERY_TILE) {
-        const int64_t tiles = std::min(QUERY_TILE, T - t0);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t s = 0; s < S; ++s) {
-          const float* vr = vb + s * value.stride(2);
-          for (int64_t i = 0; i < tiles; ++i) {
-            const float p = weights[(t0 + i) * S + s];
-            if (p == 0.f) continue;  // hidden: adds nothing
-            float* a = acc.data() + i * D;
-            for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
-          }
-        }
-        for (int64_t i = 0; i < tiles; ++i) {
-          const int64_t t = t0 + i;
-          if (totals[t] == 0.f) continue;  // nothing visible: zeros
-          float* o = os + ((b * T + t) * H + h) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[i * D + d] / totals[t];
-        }
+      scores(qh, T, D, kb, key.stride(2), S, raw.data());
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t n = visible_keys(raw.data() + t * S, S, factor, m, b, t, idx.data(), x.data(), bias.data());
+        const float total = softmax_numerators(x.data(), n);
+        if (n == 0) continue;
+        weighted_values_any(x.data(), idx.data(), n, vb, value.stride(2), total, os + ((b * T + t) * H + h) * D, D);
       }
     }
   });
