@@ -108,15 +108,15 @@ class StableLinear(nn.Module):
         elif storage == "q8_0x8":
             q, scale = fit_q8_0(weight)
             self.register_buffer("q", _to_byte_panels(q.view(q.shape[0], -1, 4)))  # [P, K/4, 64] int8
-            self.register_buffer("scales", _to_panels(scale))  # [P, K/32, 16]
-            sums = q.view(q.shape[0], -1, GROUP).sum(-1, dtype=torch.int32)  # [N, K/32]
-            self.register_buffer("sums", _to_panels(sums))  # [P, K/32, 16] int32
+            self.register_buffer("scales", _to_panels(scale.half()))  # [P, K/32, 16] (exact: fitted in float16)
+            sums = q.view(q.shape[0], -1, GROUP).sum(-1, dtype=torch.int32)  # [N, K/32], |sum| <= 32 * 127
+            self.register_buffer("sums", _to_panels(sums.to(torch.int16)))  # [P, K/32, 16]
         elif storage == "q4_1x8":
             q, scale, minimum = fit_q4_1(weight)
             halves = q.view(q.shape[0], -1, 2, 4)  # [N, K/8, 2, 4]: k = 8t + 4h + b
             self.register_buffer("nibbles", _to_byte_panels(halves[:, :, 0] | (halves[:, :, 1] << 4)))  # [P, K/8, 64]
-            self.register_buffer("scales", _to_panels(scale))
-            self.register_buffer("minimums", _to_panels(minimum))
+            self.register_buffer("scales", _to_panels(scale.half()))  # float16, exact
+            self.register_buffer("minimums", _to_panels(minimum.half()))
         else:
             raise EagleLabError(f"unknown weight storage '{storage}'")
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())

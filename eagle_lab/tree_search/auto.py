@@ -135,6 +135,7 @@ def calibration_fingerprint(target: Target, drafter: EagleDrafter, search: TreeS
     head = drafter.head
     weights = float(sum(p.detach().float().abs().sum() for p in head.parameters()))
     fields = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
+              "target_weights": getattr(target, "weights", "fp32"),
               "threads": torch.get_num_threads(),  # every cost scales with them
               "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search),
               "code": source_digest(ROUND_CODE)}

@@ -18,9 +18,11 @@
 // with the weights is an exact integer sum (AVX512-VNNI's vpdpbusd where the CPU has it), scaled into a
 // float32 accumulator group by group:
 //   q4_1x8  [P, K/8, 64] uint8: for 8 consecutive k, each of the 16 columns holds 4 bytes, byte b with
-//           k = 8t + b in its low nibble and k = 8t + 4 + b in its high one; scales and minimums as q4_1
-//   q8_0x8  [P, K/4, 64] int8: 4 consecutive k per column; scales as q8_0, and each group's sum of
-//           weights [P, K/32, 16] int32 (the unsigned-by-signed product needs it)
+//           k = 8t + b in its low nibble and k = 8t + 4 + b in its high one; scales and minimums
+//           [P, K/32, 16] float16, as GGUF stores them
+//   q8_0x8  [P, K/4, 64] int8: 4 consecutive k per column; scales [P, K/32, 16] float16, and each group's
+//           sum of weights [P, K/32, 16] int16 (the unsigned-by-signed product needs it)
+// Float16 scales read a sixth fewer bytes than float32 ones, which a decode step, bound by memory, sees.
 // A row's quantization depends on that row alone and every sum runs in a fixed order, so these formats
 // are row-stable too.
 #include <ATen/ATen.h>
@@ -248,8 +250,8 @@ at::Tensor stable_linear(const at::Tensor& x, const at::Tensor& panels, const st
   return run(x, P, K, N, bias, [&](int64_t p) { return F32Panel{w + p * K * LANES, K}; });
 }
 
-void check_groups(const at::Tensor& scales, int64_t P, int64_t K) {
-  check_panels(scales, at::kFloat, "scales and minimums");
+void check_groups(const at::Tensor& scales, int64_t P, int64_t K, at::ScalarType dtype = at::kFloat) {
+  check_panels(scales, dtype, "scales, minimums and sums");
   TORCH_CHECK(K % GROUP == 0 && scales.size(0) == P && scales.size(1) == K / GROUP,
               "stable_linear: scales must be [P, K/32, 16] with K a multiple of 32");
 }
@@ -290,23 +292,50 @@ struct QuantizedRows {
   std::vector<float> scaled_sum;  // [M, K/32]
 };
 
+// One group of 32: q = round-half-even(x * (1 / d)), d = max|x| / 127; writes q (and q + 128 when biased), returns
+// sum(q) and sets d. The vector path computes exactly what the scalar one does.
+inline int32_t quantize_group(const float* xs, int8_t* q, uint8_t* biased, float& d) {
+#if defined(__AVX512F__)
+  const __m512 a = _mm512_loadu_ps(xs), b = _mm512_loadu_ps(xs + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  d = amax / 127.f;
+  const __m512 inverse = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));  // rounds half to even
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  if (biased != nullptr) {
+    const __m512i offset = _mm512_set1_epi32(128);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(biased), _mm512_cvtepi32_epi8(_mm512_add_epi32(qa, offset)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(biased + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(qb, offset)));
+  }
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+#else
+  float amax = 0.f;
+  for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xs[j]));
+  d = amax / 127.f;
+  const float inverse = d > 0.f ? 1.f / d : 0.f;
+  int32_t sum = 0;
+  for (int64_t j = 0; j < GROUP; ++j) {
+    const float y = xs[j] * inverse;
+    const int32_t v = static_cast<int32_t>(std::nearbyint(y));
+    q[j] = static_cast<int8_t>(v);
+    if (biased != nullptr) biased[j] = static_cast<uint8_t>(v + 128);
+    sum += v;
+  }
+  return sum;
+#endif
+}
+
 QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, bool biased) {
   const int64_t groups = K / GROUP;
   QuantizedRows out{std::vector<int8_t>(M * K), std::vector<uint8_t>(biased ? M * K : 0),
                     std::vector<float>(M * groups), std::vector<float>(M * groups)};
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
-      const float* xs = x + m * K + g * GROUP;
-      float amax = 0.f;
-      for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xs[j]));
-      const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
-      int32_t sum = 0;
-      for (int64_t j = 0; j < GROUP; ++j) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(xs[j] * inverse));
-        out.q[m * K + g * GROUP + j] = static_cast<int8_t>(q);
-        if (biased) out.biased[m * K + g * GROUP + j] = static_cast<uint8_t>(q + 128);
-        sum += q;
-      }
+      const int64_t at = m * K + g * GROUP;
+      float d;
+      const int32_t sum = quantize_group(x + at, out.q.data() + at, biased ? out.biased.data() + at : nullptr, d);
       out.scale[m * groups + g] = d;
       out.scaled_sum[m * groups + g] = d * static_cast<float>(sum);
     }
@@ -335,6 +364,27 @@ inline i32x16 dot4(i32x16 acc, i32x16 a, i32x16 b) {
 #endif
 }
 
+inline f32x16 load_f16(const uint16_t* p) {  // 16 float16 -> float32, exactly
+  f32x16 out;
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&out, &wide, sizeof out);
+#else
+  const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&out, &low, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &high, 32);
+#endif
+  return out;
+}
+
+inline i32x16 load_i16(const int16_t* p) {  // 16 int16 -> int32
+  typedef int16_t i16x16 __attribute__((vector_size(32)));
+  i16x16 narrow;
+  std::memcpy(&narrow, p, sizeof narrow);
+  return __builtin_convertvector(narrow, i32x16);
+}
+
 inline i32x16 load_i32(const void* p) {
   i32x16 v;
   std::memcpy(&v, p, sizeof v);
@@ -349,8 +399,8 @@ inline i32x16 broadcast4(const void* p) {  // 4 bytes repeated in every lane
 
 struct Q4x8Panel {
   const uint8_t* packed;  // [K/8, 64]
-  const float* scales;
-  const float* minimums;
+  const uint16_t* scales;  // float16 bits
+  const uint16_t* minimums;
   using Row = int8_t;  // x quantized: q
   static constexpr bool biased = false;
   // rows' integer dot products over group g: isum[r] for r < ROWS
@@ -369,15 +419,15 @@ struct Q4x8Panel {
     }
   }
   inline f32x16 term(int64_t g, i32x16 isum, float d, float scaled_sum) const {
-    return __builtin_convertvector(isum, f32x16) * (load_f32(scales + g * LANES) * d) +
-           load_f32(minimums + g * LANES) * scaled_sum;
+    return __builtin_convertvector(isum, f32x16) * (load_f16(scales + g * LANES) * d) +
+           load_f16(minimums + g * LANES) * scaled_sum;
   }
 };
 
 struct Q8x8Panel {
   const int8_t* packed;  // [K/4, 64]
-  const float* scales;
-  const int32_t* sums;  // [K/32, 16]
+  const uint16_t* scales;  // float16 bits
+  const int16_t* sums;  // [K/32, 16]
   using Row = uint8_t;  // x quantized and biased: q + 128
   static constexpr bool biased = true;
   template <int ROWS>
@@ -389,12 +439,12 @@ struct Q8x8Panel {
 #pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) isum[r] = dot4(isum[r], broadcast4(xu[r] + k), w);
     }
-    const i32x16 correction = load_i32(sums + g * LANES) * 128;  // (q + 128) . w - 128 * sum(w) = q . w
+    const i32x16 correction = load_i16(sums + g * LANES) * 128;  // (q + 128) . w - 128 * sum(w) = q . w
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) isum[r] -= correction;
   }
   inline f32x16 term(int64_t g, i32x16 isum, float d, float) const {
-    return __builtin_convertvector(isum, f32x16) * (load_f32(scales + g * LANES) * d);
+    return __builtin_convertvector(isum, f32x16) * (load_f16(scales + g * LANES) * d);
   }
 };
 
@@ -494,11 +544,11 @@ at::Tensor stable_linear_q4x8(const at::Tensor& x, const at::Tensor& packed, con
                               const at::Tensor& minimums, const std::optional<at::Tensor>& bias, int64_t N) {
   check_packed(packed, at::kByte, 8, "q4_1x8 weights");
   const int64_t P = packed.size(0), K = packed.size(1) * 8;
-  check_groups(scales, P, K);
-  check_groups(minimums, P, K);
+  check_groups(scales, P, K, at::kHalf);
+  check_groups(minimums, P, K, at::kHalf);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
-  const float* m = minimums.data_ptr<float>();
+  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* m = reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>());
   const int64_t groups = K / GROUP;
   return run_quantized(x, P, K, N, bias, false, [&](int64_t p) {
     return Q4x8Panel{w + p * (K / 2) * LANES, s + p * groups * LANES, m + p * groups * LANES};
@@ -509,13 +559,11 @@ at::Tensor stable_linear_q8x8(const at::Tensor& x, const at::Tensor& packed, con
                               const at::Tensor& sums, const std::optional<at::Tensor>& bias, int64_t N) {
   check_packed(packed, at::kChar, 4, "q8_0x8 weights");
   const int64_t P = packed.size(0), K = packed.size(1) * 4;
-  check_groups(scales, P, K);
-  TORCH_CHECK(sums.scalar_type() == at::kInt && sums.is_contiguous() && sums.dim() == 3 && sums.size(0) == P &&
-                  sums.size(1) == K / GROUP && sums.size(2) == LANES,
-              "stable_linear: group sums must be contiguous int32 [P, K/32, 16]");
+  check_groups(scales, P, K, at::kHalf);
+  check_groups(sums, P, K, at::kShort);
   const int8_t* w = packed.data_ptr<int8_t>();
-  const float* s = scales.data_ptr<float>();
-  const int32_t* sum = sums.data_ptr<int32_t>();
+  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const int16_t* sum = sums.data_ptr<int16_t>();
   const int64_t groups = K / GROUP;
   return run_quantized(x, P, K, N, bias, true, [&](int64_t p) {
     return Q8x8Panel{w + p * K * LANES, s + p * groups * LANES, sum + p * groups * LANES};
