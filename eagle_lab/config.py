@@ -36,6 +36,9 @@ class HeadConfig:
     # natively (half the bytes per head step), else the target's. Drafts are proposals: exactness never
     # depends on their numerics.
     draft_dtype: str = "auto"
+    # serving, beside a CPU target on the row-stable kernel: how the head's linear weights are stored: auto (as
+    # draft_dtype when that is set; else w8a8 with AVX512-VNNI, else bf16) | fp32 | bf16 | w8a8 | w4a8
+    draft_weights: str = "auto"
     seed: int = 0
 
 

@@ -59,6 +59,28 @@ def test_build_head_casts_to_the_drafting_dtype_or_stores_it_on_the_stable_kerne
         assert all(p.dtype == torch.float32 for p in head.parameters())  # activations stay float32
 
 
+@pytest.mark.parametrize("weights, storage", [("w8a8", "q8_0x8"), ("w4a8", "q4_1x8"), ("fp32", "f32")])
+def test_head_draft_weights_pick_the_heads_storage_and_keep_greedy_output_exact(tiny_llama, weights, storage):
+    head = build_head(HeadConfig(path="random", draft_weights=weights), tiny_llama)
+    linears = [m for m in head.modules() if isinstance(m, StableLinear)]
+    assert linears and all(m.storage == storage for m in linears)
+    drafter = EagleDrafter(head, tiny_llama, TreeShape(3, 2, 6))
+    prompt = as_tensor(encode_prompt(tiny_llama.tokenizer, "Tell me a story about a dragon.", chat=False),
+                       tiny_llama.device)
+    plain = generate(vanilla_decode(tiny_llama, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, set())))
+    spec = generate(speculative_decode(tiny_llama, drafter, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, set())))
+    assert spec.token_ids == plain.token_ids and spec.stats.tree_tokens > 0
+    search = TreeSearchConfig()
+    bf16 = EagleDrafter(build_head(HeadConfig(path="random", draft_weights="bf16"), tiny_llama), tiny_llama,
+                        TreeShape(3, 2, 6))
+    assert calibration_fingerprint(tiny_llama, drafter, search) != calibration_fingerprint(tiny_llama, bf16, search)
+
+
+def test_bad_head_draft_weights_are_refused(tiny_llama):
+    with pytest.raises(EagleLabError, match="head.draft_weights"):
+        build_head(HeadConfig(path="random", draft_weights="int3"), tiny_llama)
+
+
 def test_tree_auto_calibrations_of_a_bf16_and_an_fp32_head_are_kept_apart(tiny_llama):
     search = TreeSearchConfig()
     head = new_head(tiny_llama, seed=1)

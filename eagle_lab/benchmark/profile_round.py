@@ -1,6 +1,6 @@
 """Where a speculative round's time goes:
 python -m eagle_lab.benchmark.profile_round [tokens=96] [depth=4 topk=4 total=12] [compile=true|false] [ops=true]
-    [weights=auto|fp32|bf16|int8|int4|w8a8|w4a8]
+    [weights=auto|fp32|bf16|int8|int4|w8a8|w4a8] [head_weights=auto|fp32|bf16|w8a8|w4a8]
 
 Decodes one calibration prompt greedily on the embedded target with its packaged head (a
 random head if none), plain and speculative, on the same backend, and prints per round: the
@@ -46,16 +46,18 @@ class PhaseTimes:
 
 
 def main(argv: list[str]) -> None:
-    args = key_values("profile_round", argv, ("tokens", "depth", "topk", "total", "compile", "ops", "weights"))
+    args = key_values("profile_round", argv, ("tokens", "depth", "topk", "total", "compile", "ops", "weights",
+                                                 "head_weights"))
     try:
         shape = TreeShape(int(args.get("depth", 4)), int(args.get("topk", 4)), int(args.get("total", 12)))
         tokens = int(args.get("tokens", 96))
         compile_choice(args.get("compile", "true"))
+        target = load_target(TargetConfig(device="cpu", weights=args.get("weights", "auto")))
+        head = build_head(HeadConfig(draft_weights=args.get("head_weights", "auto")), target)
     except (ValueError, EagleLabError) as err:
         raise SystemExit(f"profile_round: {err}") from None
-    target = load_target(TargetConfig(device="cpu", weights=args.get("weights", "auto")))
     backend = build_backend(target, args.get("compile", "true"), DecodingConfig())
-    drafter = eagle_drafter(build_head(HeadConfig(), target), target, shape, None, backend)  # compiles with the target
+    drafter = eagle_drafter(head, target, shape, None, backend)  # compiles with the target
     prompt = torch.tensor(encode_prompt(target.tokenizer, CALIBRATION_PROMPTS[0], chat=True))
 
     def plain():

@@ -138,6 +138,7 @@ def calibration_fingerprint(target: Target, drafter: EagleDrafter, search: TreeS
               "target_weights": getattr(target, "weights", "fp32"),
               "threads": torch.get_num_threads(),  # every cost scales with them
               "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search),
+              "head_storage": getattr(head.fc, "storage", str(head.dtype)),
               "code": source_digest(ROUND_CODE)}
     if backend is not None and getattr(backend, "name", "eager") != "eager":  # costs differ per backend
         fields["backend"] = {"name": backend.name, "buckets": list(getattr(backend, "buckets", [])),
