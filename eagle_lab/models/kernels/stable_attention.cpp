@@ -175,8 +175,19 @@ inline int64_t visible_keys(const float* raw, int64_t S, float factor, const Mas
 // x[0, n) -> exp(x - max) in place; returns their sum: rank r adds into lane r % 16, then the lanes.
 inline float softmax_numerators(float* x, int64_t n) {
   if (n == 0) return 0.f;
-  float high = x[0];
-  for (int64_t r = 1; r < n; ++r) high = std::max(high, x[r]);
+  float high = x[0];  // the maximum, 16 lanes at a time (exact in any order)
+  int64_t r = 0;
+  if (n >= 16) {
+    f32x16 top = load16(x);
+    for (r = 16; r + 16 <= n; r += 16) {
+      const f32x16 y = load16(x + r);
+      top = y > top ? y : top;
+    }
+    float l[16];
+    std::memcpy(l, &top, sizeof l);
+    for (int i = 0; i < 16; ++i) high = std::max(high, l[i]);
+  }
+  for (; r < n; ++r) high = std::max(high, x[r]);
   f32x16 lanes{};
   for (int64_t r0 = 0; r0 < n; r0 += 16) {
     const int64_t k = std::min<int64_t>(16, n - r0);
@@ -197,16 +208,23 @@ inline float softmax_numerators(float* x, int64_t n) {
 template <int NV>
 inline void weighted_values(const float* p, const int32_t* idx, int64_t n, const float* vb, int64_t v_stride,
                             float total, float* out) {
-  f32x16 acc[2][NV];
-  for (int c = 0; c < 2; ++c)
-    for (int j = 0; j < NV; ++j) acc[c][j] = f32x16{};
-  for (int64_t r = 0; r < n; ++r) {
-    const float* vr = vb + idx[r] * v_stride;
-    const int c = r & 1;
-    for (int j = 0; j < NV; ++j) acc[c][j] += p[r] * load16(vr + 16 * j);
+  f32x16 even[NV], odd[NV];  // the chains as separate arrays, so they stay in registers
+  for (int j = 0; j < NV; ++j) even[j] = odd[j] = f32x16{};
+  int64_t r = 0;
+  for (; r + 1 < n; r += 2) {
+    const float* ve = vb + idx[r] * v_stride;
+    const float* vo = vb + idx[r + 1] * v_stride;
+    for (int j = 0; j < NV; ++j) {
+      even[j] += p[r] * load16(ve + 16 * j);
+      odd[j] += p[r + 1] * load16(vo + 16 * j);
+    }
+  }
+  if (r < n) {
+    const float* ve = vb + idx[r] * v_stride;
+    for (int j = 0; j < NV; ++j) even[j] += p[r] * load16(ve + 16 * j);
   }
   for (int j = 0; j < NV; ++j) {
-    const f32x16 o = (acc[0][j] + acc[1][j]) / total;
+    const f32x16 o = (even[j] + odd[j]) / total;
     std::memcpy(out + 16 * j, &o, sizeof o);
   }
 }
