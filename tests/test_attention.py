@@ -1,6 +1,7 @@
 """eagle_lab's CPU attention (eagle_lab/models/attention.py): what transformers' sdpa computes (tree masks,
-causal prefills into a longer static cache, single queries), and row-stable where it must be: a query's output
-is bitwise the same alone or among other queries, before more masked keys or fewer, in any batch."""
+causal prefills into a longer static cache, single queries), and row-stable: a query's output is bitwise the
+same alone or among other queries, before more masked keys or fewer, in any batch, and whether causality comes
+as a mask or from the cache."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from eagle_lab.models.attention import NAME, STABLE_ROWS, cpu_attention_forward, load_attention_kernel
+from eagle_lab.models.attention import NAME, cpu_attention_forward, load_attention_kernel
 from eagle_lab.models.target import TargetConfig, load_target
 
 LOWEST = torch.finfo(torch.float32).min
@@ -30,7 +31,7 @@ def _tree_mask(g: torch.Generator, batch: int, rows: int, keys: int) -> torch.Te
 
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
 @pytest.mark.parametrize("rows, keys, masked", [(1, 9, True), (5, 12, True), (6, 6, False), (4, 16, False),
-                                                (1, 7, False), (STABLE_ROWS + 16, STABLE_ROWS + 16, False)])
+                                                (1, 7, False), (80, 80, False)])
 def test_it_computes_what_sdpa_computes(rows, keys, masked, heads, kv_heads):
     load_attention_kernel()
     g = torch.Generator().manual_seed(rows * 100 + keys)
@@ -88,3 +89,19 @@ def test_a_tree_node_gets_bitwise_what_its_step_gets_after_the_path_is_compacted
     kept = list(range(past)) + path  # compacted: the accepted path right after the prefix
     stepped, _ = cpu_attention_forward(_module(3), query, key[:, :, kept], value[:, :, kept], None, scaling=0.125)
     assert torch.equal(in_tree, stepped)
+
+
+def test_a_causal_prefill_gets_what_the_same_rows_get_under_an_explicit_mask():
+    """serve.py's reference path prefills with causality implied (no mask); the static cache passes an explicit
+    causal mask over a longer view. Both must give the prompt the same bits."""
+    load_attention_kernel()
+    g = torch.Generator().manual_seed(9)
+    rows, view = 70, 80
+    query = torch.randn(1, 6, rows, 64, generator=g)
+    key, value = (torch.randn(1, 2, view, 64, generator=g) for _ in range(2))
+    implied, _ = cpu_attention_forward(_module(3), query, key[:, :, :rows], value[:, :, :rows], None, scaling=0.125)
+    allowed = torch.zeros(1, 1, rows, view, dtype=torch.bool)
+    allowed[..., :rows] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    explicit, _ = cpu_attention_forward(_module(3), query, key, value,
+                                        torch.zeros(allowed.shape).masked_fill(~allowed, LOWEST), scaling=0.125)
+    assert torch.equal(implied, explicit)

@@ -1,17 +1,19 @@
-"""Attention for targets on CPU: row-stable where exactness needs it, grouped heads read in place.
+"""Attention for float32 targets on CPU: row-stable, so every path that scores the same token gets the same bits.
 
-A decode step or a draft tree (a few query rows under a mask) goes through eagle_lab's row-stable attention
-(kernels/stable_attention.cpp): every query's sums run in one fixed order over the visible keys, so a tree
-scored in one forward gets bitwise the hidden states one-token steps get, whatever the attended length or
-batch. With the row-stable linear layers this makes every forward over N tokens give each token exactly
-what a one-token forward gives; library attention changes its summation order with the shapes, and with
-int8 activations (target.weights=w4a8) a last-bit difference can move a rounding and the greedy token.
+Every forward (a prompt's prefill, a decode step, a draft tree, a batch of rows) goes through eagle_lab's
+row-stable attention (kernels/stable_attention.cpp): each query sums over its visible keys in one fixed
+order, so a query's output depends on nothing but its own row and the keys it sees: not on the number of
+queries beside it, the masked keys after it, the batch, or whether causality came as a mask or implied by
+the cache. With the row-stable linear layers this makes a tree scored in one forward, a server row in a batch
+and a one-token step of the same token give the same logits, bitwise; library attention changes its
+summation order with the shapes and the mask's form, and with int8 activations (target.weights=w4a8) a
+last-bit difference can move a rounding and the greedy token.
 
-A prompt's causal prefill (no mask, many rows) runs through `scaled_dot_product_attention`: plain and
-speculative decoding prefill the same prompt the same way. There `enable_gqa=True` reads each key/value
-head in place for its query heads, where transformers' `sdpa` copies them (`repeat_kv`) whenever a mask
-is given on CPU. Registered as attention implementation `eagle_lab_cpu` (with sdpa's masks), chosen for
-float32 CPU targets at load.
+Its cost: a step or a tree of a few rows costs about what SDPA costs for one row and more per extra row (each
+query on its own); a long prompt's prefill is slower than SDPA's blocked kernel (about 3x at 512 tokens).
+Other dtypes and devices take SDPA with grouped heads read in place (`enable_gqa=True`, where transformers'
+`sdpa` copies them whenever a mask is given on CPU). Registered as attention implementation `eagle_lab_cpu`
+(with sdpa's masks), chosen at load for float32 CPU targets.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from eagle_lab.models import native
 
 NAME = "eagle_lab_cpu"
-STABLE_ROWS = 64  # query rows up to which a masked forward (a step, a tree, a batch of them) is row-stable
 
 
 @functools.cache
@@ -51,18 +52,20 @@ def cpu_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if attention_mask is not None and attention_mask.ndim == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     rows = query.shape[2]
-    stable = (rows <= STABLE_ROWS and (attention_mask is not None or rows == 1) and query.dtype == torch.float32
-              and query.device.type == "cpu" and dropout == 0.0)
-    if stable:
+    causal = rows > 1 and attention_mask is None and (is_causal if is_causal is not None
+                                                      else getattr(module, "is_causal", True))
+    if causal and key.shape[2] > rows:  # a prefill into an empty static cache: the rest is unwritten
+        key, value = key[:, :, :rows], value[:, :, :rows]
+    if query.dtype == torch.float32 and query.device.type == "cpu" and dropout == 0.0:
+        if causal:  # query t sees the keys up to its own position (the last `rows` keys are the new tokens)
+            offset = key.shape[2] - rows
+            attention_mask = torch.ones(rows, key.shape[2], dtype=torch.bool,
+                                        device=query.device).tril(offset)[None, None]  # [1, 1, T, S]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return torch.ops.eagle_lab_attention.stable_attention(query, key, value, attention_mask, scale), None
     if key.shape[1] == query.shape[1]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    causal = rows > 1 and attention_mask is None and (is_causal if is_causal is not None
-                                                      else getattr(module, "is_causal", True))
-    if causal and key.shape[2] > rows:  # a prefill into an empty static cache: the rest is unwritten
-        key, value = key[:, :, :rows], value[:, :, :rows]
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, is_causal=causal, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
