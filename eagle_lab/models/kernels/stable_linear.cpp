@@ -198,37 +198,54 @@ void all_rows_by_panel(const Panel& panel, const float* x, int64_t M, int64_t K,
   }
 }
 
+// One call's input rows, output and bias, checked: what every storage's entry point starts from.
+struct Call {
+  at::Tensor flat;  // [M, K] contiguous
+  at::Tensor out;   // [M, N]
+  at::Tensor bias;  // contiguous, or undefined
+  std::vector<int64_t> sizes;  // x's sizes with N last
+  int64_t M = 0;
+
+  Call(const at::Tensor& x, int64_t panels, int64_t K, int64_t N, const std::optional<at::Tensor>& b) {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K,
+                "stable_linear: x must be a float32 CPU tensor [..., ", K, "]");
+    TORCH_CHECK(panels * LANES >= N && N > panels * LANES - LANES, "stable_linear: ", panels,
+                " panels cannot hold ", N, " output columns");
+    flat = x.reshape({-1, K}).contiguous();
+    M = flat.size(0);
+    sizes = x.sizes().vec();
+    sizes.back() = N;
+    out = at::empty({M, N}, x.options());
+    if (b.has_value()) {
+      bias = b->contiguous();
+      TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == N, "stable_linear: bias must be float32 [", N,
+                  "]");
+    }
+  }
+  const float* bias_at(int64_t panel) const {
+    return bias.defined() ? bias.data_ptr<float>() + panel * LANES : nullptr;
+  }
+  // body(panel, bias of its columns or null, its column count, its first output) for every panel, in parallel
+  template <class Body>
+  at::Tensor over_panels(int64_t panels, int64_t N, Body body) {
+    float* o = out.data_ptr<float>();
+    if (M > 0) {
+      at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t p = begin; p < end; ++p) body(p, bias_at(p), std::min(LANES, N - p * LANES), o + p * LANES);
+      });
+    }
+    return out.view(sizes);
+  }
+};
+
 template <class PanelAt>
 at::Tensor run(const at::Tensor& x, int64_t panels, int64_t K, int64_t N, const std::optional<at::Tensor>& bias,
                PanelAt panel_at) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K,
-              "stable_linear: x must be a float32 CPU tensor [..., ", K, "]");
-  TORCH_CHECK(panels * LANES >= N && N > panels * LANES - LANES, "stable_linear: ", panels,
-              " panels cannot hold ", N, " output columns");
-  const at::Tensor flat = x.reshape({-1, K}).contiguous();  // [M, K]
-  const int64_t M = flat.size(0);
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());  // [M, N]
-  const float* b = nullptr;
-  at::Tensor bias_c;
-  if (bias.has_value()) {
-    bias_c = bias->contiguous();
-    TORCH_CHECK(bias_c.scalar_type() == at::kFloat && bias_c.numel() == N, "stable_linear: bias must be float32 [",
-                N, "]");
-    b = bias_c.data_ptr<float>();
-  }
-  const float* xs = flat.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  if (M > 0) {
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        all_rows_by_panel(panel_at(p), xs, M, K, b ? b + p * LANES : nullptr, std::min(LANES, N - p * LANES),
-                          o + p * LANES, N);
-      }
-    });
-  }
-  return out.view(sizes);
+  Call call(x, panels, K, N, bias);
+  const float* xs = call.flat.data_ptr<float>();
+  return call.over_panels(panels, N, [&](int64_t p, const float* b, int64_t cols, float* o) {
+    all_rows_by_panel(panel_at(p), xs, call.M, K, b, cols, o, N);
+  });
 }
 
 void check_panels(const at::Tensor& t, at::ScalarType dtype, const char* what) {
@@ -503,35 +520,12 @@ void all_quantized_rows_by_panel(const Panel& panel, const QuantizedRows& xq, in
 template <class PanelAt>
 at::Tensor run_quantized(const at::Tensor& x, int64_t panels, int64_t K, int64_t N,
                          const std::optional<at::Tensor>& bias, bool biased, PanelAt panel_at) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K,
-              "stable_linear: x must be a float32 CPU tensor [..., ", K, "]");
   TORCH_CHECK(K % GROUP == 0, "stable_linear: K must be a multiple of 32 for int8 activations");
-  TORCH_CHECK(panels * LANES >= N && N > panels * LANES - LANES, "stable_linear: ", panels,
-              " panels cannot hold ", N, " output columns");
-  const at::Tensor flat = x.reshape({-1, K}).contiguous();  // [M, K]
-  const int64_t M = flat.size(0);
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());  // [M, N]
-  const float* b = nullptr;
-  at::Tensor bias_c;
-  if (bias.has_value()) {
-    bias_c = bias->contiguous();
-    TORCH_CHECK(bias_c.scalar_type() == at::kFloat && bias_c.numel() == N, "stable_linear: bias must be float32 [",
-                N, "]");
-    b = bias_c.data_ptr<float>();
-  }
-  float* o = out.data_ptr<float>();
-  if (M > 0) {
-    const QuantizedRows xq = quantize_rows(flat.data_ptr<float>(), M, K, biased);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        all_quantized_rows_by_panel(panel_at(p), xq, M, K, b ? b + p * LANES : nullptr,
-                                    std::min(LANES, N - p * LANES), o + p * LANES, N);
-      }
-    });
-  }
-  return out.view(sizes);
+  Call call(x, panels, K, N, bias);
+  const QuantizedRows xq = quantize_rows(call.flat.data_ptr<float>(), call.M, K, biased);
+  return call.over_panels(panels, N, [&](int64_t p, const float* b, int64_t cols, float* o) {
+    all_quantized_rows_by_panel(panel_at(p), xq, call.M, K, b, cols, o, N);
+  });
 }
 
 void check_packed(const at::Tensor& t, at::ScalarType dtype, int64_t k_per_block, const char* what) {
