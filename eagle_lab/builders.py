@@ -27,7 +27,7 @@ from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.eagle.layouts import load_head
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.decoding.sampling import SamplingParams
-from eagle_lab.models.stable_linear import convert_module_linears
+from eagle_lab.models.stable_linear import FORMATS, convert_module_linears
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.tree_search.auto import auto_tree
 
@@ -69,7 +69,7 @@ def build_head(cfg: HeadConfig, target: Target) -> EagleHead:
     return head.to(dtype)
 
 
-HEAD_STORAGES = {"fp32": "f32", "bf16": "bf16", "w8a8": "q8_0x8", "w4a8": "q4_1x8"}
+HEAD_WEIGHTS = ("fp32", "bf16", "w8a8", "w4a8")  # target.weights names a head may be stored as (decoder formats)
 
 
 def head_storage(cfg: HeadConfig) -> str:
@@ -82,10 +82,10 @@ def head_storage(cfg: HeadConfig) -> str:
         if cfg.draft_dtype != "auto":
             return "bf16"
         return "q8_0x8" if "avx512_vnni" in cpu_flags() else "bf16"
-    if cfg.draft_weights not in HEAD_STORAGES:
-        raise EagleLabError(f"head.draft_weights must be auto or one of {', '.join(HEAD_STORAGES)}, "
+    if cfg.draft_weights not in HEAD_WEIGHTS:
+        raise EagleLabError(f"head.draft_weights must be auto or one of {', '.join(HEAD_WEIGHTS)}, "
                             f"got '{cfg.draft_weights}'")
-    return HEAD_STORAGES[cfg.draft_weights]
+    return FORMATS[cfg.draft_weights][0]
 
 
 def _load_or_new_head(cfg: HeadConfig, target: Target) -> EagleHead:
