@@ -148,13 +148,16 @@ def tree_label(per_batch: dict, batch: int, params: SamplingParams) -> str:
 
 def run_level(engine, target: Target, per_batch: dict, encoded: list[list[int]], params: SamplingParams,
               cfg: ServeConfig, level: int, rows: StaticRows) -> dict[str, Any]:
-    """All prompts through a fresh BatchScheduler (max_batch = level) from `level` closed-loop clients."""
+    """All prompts through a fresh BatchScheduler (max_batch = level) from `level` closed-loop clients.
+    The loop starts once every client has queued its first request, so the level is reached from the first
+    round whatever the threads' start order (on a tiny target a request can finish before the next thread runs)."""
     scheduler = BatchScheduler(level, len(encoded) + level, target, rows, per_batch["trees"])
     plans = [Plan(ids, params, cfg.max_new_tokens, [], cfg.ignore_eos, cfg.seed) for ids in encoded]
     outputs: list[list[int] | None] = [None] * len(plans)
     latency = [0.0] * len(plans)
     errors: list[str] = []
     lock, cursor = threading.Lock(), [0]
+    first_wave, queued = threading.Event(), [0]
 
     def client() -> None:
         while True:
@@ -172,6 +175,10 @@ def run_level(engine, target: Target, per_batch: dict, encoded: list[list[int]],
             start = time.perf_counter()
             scheduler.submit(Job(start=lambda p=plans[index]: engine.start(p, f"sweep-{index}"), deliver=deliver,
                                  name=f"sweep-{index}"))
+            with lock:
+                queued[0] += 1
+                if queued[0] == min(level, len(plans)):
+                    first_wave.set()
             done.wait()
             latency[index] = time.perf_counter() - start
             if isinstance(last[0], Finished):
@@ -193,6 +200,8 @@ def run_level(engine, target: Target, per_batch: dict, encoded: list[list[int]],
 
     driver = threading.Thread(target=drive)
     driver.start()
+    while not first_wave.wait(0.05) and driver.is_alive():  # a client that died before queuing ends the wait
+        pass
     scheduler.run()  # on this thread, which loaded the model (scheduler.ModelThread says why)
     driver.join()
     wall = clock["wall"]
