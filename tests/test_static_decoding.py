@@ -156,18 +156,21 @@ class TreeLog:
 
 @pytest.mark.slow
 def test_compiled_head_step_drafts_what_the_eager_head_drafts(tiny_llama):
-    """Rows padded to a bucket, attention over the whole head cache, weights frozen, the prompt's first
-    commit fed 16 rows at a time: every round's tree is the one the eager head step drafts."""
+    """Rows padded to a bucket, attention over widths of the head cache that grow with the sequence (64, then
+    128), the prompt's first commit fed 16 rows at a time: every round's tree is the one the eager
+    head step drafts."""
     head = new_head(tiny_llama, seed=2)
     prompt = prompt_for(tiny_llama)
     assert prompt.numel() > 2 * ROW_BUCKETS[-1]  # the first commit takes three chunks
     logs = {}
     for compiled in (False, True):
         drafter = EagleDrafter(head, tiny_llama, TreeShape(3, 3, 8), compiled=compiled)
+        drafter.runner.min_width = 64
         logs[compiled] = TreeLog()
         generate(speculative_decode(tiny_llama, drafter, prompt, GREEDY,
                                     Stopper(tiny_llama.tokenizer, 24, set()), observer=logs[compiled]))
         assert drafter.runner.compiled == compiled
+        assert drafter.cache.length > 64 or not compiled  # the sequence grew into the second width
     assert len(logs[True].trees) == len(logs[False].trees) > 3
     for eager, compiled in zip(logs[False].trees, logs[True].trees):
         assert torch.equal(eager.tokens, compiled.tokens) and torch.equal(eager.parents, compiled.parents)
@@ -185,11 +188,12 @@ def test_one_compiled_head_graph_serves_every_top_k_up_to_its_own(tiny_llama, mo
     compiled = EagleDrafter(head, tiny_llama, TreeShape(2, 3, 4), compiled=True)
     eager = EagleDrafter(head, tiny_llama, TreeShape(2, 3, 4), compiled=False)
     for k in (1, 3, GRAPH_TOP_K):
-        got = compiled.runner(compiled.new_cache(), tokens, features, torch.arange(3), visible, k, from_draft=False)
+        cache = compiled.new_cache()
+        got = compiled.runner(cache, tokens, features, torch.arange(3), visible, k, from_draft=False)
         want = eager.runner(eager.new_cache(), tokens, features, torch.arange(3), visible, k, from_draft=False)
         assert got[2].shape == (3, k) and torch.equal(got[2], want[2])
         assert torch.allclose(got[1], want[1], atol=1e-4)
-    assert len(compiled.runner._graphs) == 1
+    assert len(compiled.runner._graphs) == len(compiled.runner.widths(cache.capacity))  # one per width, not per k
 
 
 @pytest.mark.slow

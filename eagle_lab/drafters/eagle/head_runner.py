@@ -1,8 +1,9 @@
 """The draft head's step (head_step.py) over a preallocated KV cache, run eagerly or compiled per row bucket.
 
 Keys and values go into the head cache at given slots in place, so the shapes a compiled step sees are
-fixed: rows are padded to a bucket (padding rows write to the cache's last slot, which no row ever
-sees) and attention runs over the cache's whole capacity under an additive mask. On CPU each bucket
+fixed: rows are padded to a bucket, and attention runs under an additive mask over the first W slots of
+the cache, W the smallest width (256, its doublings, the capacity) past the rows' slots. Padding rows
+write to slot W - 1, which no row sees before a real row has written it (rows fill slots in order). On CPU each bucket
 is an AOTInductor package like the target's step (eagle_lab/decoding/graph_store.py: built once per
 machine, loaded in milliseconds, bound to the head's own weights); one graph replaces the dozens of
 small eager kernels a step is made of. On CUDA it is compiled with torch.compile. Drafts are
@@ -25,20 +26,23 @@ from eagle_lab.models.native import op_schemas
 from eagle_lab.models.target import additive_mask
 
 log = logging.getLogger(__name__)
-ROW_BUCKETS = (4, 16)  # rows per compiled head step; more rows (a prompt's first commit) run 16 at a time
+ROW_BUCKETS = (1, 4, 16)  # rows per compiled head step; more rows (a prompt's first commit) run 16 at a time
+MIN_WIDTH = 256  # the narrowest cache width a compiled step attends over (then doublings, then the capacity)
 GRAPH_TOP_K = 8  # a compiled step returns at least this many top-k drafts, sliced to what was asked: one graph
 # serves every top-k up to it (tree=auto times top-k 1..8), where a graph per k would multiply the builds
 
 
 class HeadStepRunner:
     """Runs `HeadStep` for one drafter: eagerly over the cache's filled part, or compiled over its whole
-    capacity with rows padded to a bucket (one graph per bucket, k, feature source and capacity)."""
+    width with rows padded to a bucket (one graph per bucket, width, k and feature source)."""
 
     def __init__(self, head: EagleHead, embed_tokens: nn.Module, rotary: nn.Module, lm_weight: torch.Tensor,
-                 compiled: bool, buckets: tuple[int, ...] = ROW_BUCKETS, build: bool = True):
+                 compiled: bool, buckets: tuple[int, ...] = ROW_BUCKETS, build: bool = True,
+                 min_width: int = MIN_WIDTH):
         """build: whether a missing package may be compiled here (else that bucket runs eagerly)."""
         self.module = HeadStep(head, embed_tokens, rotary, lm_weight).eval()
         self.compiled, self.buckets, self.build = compiled, tuple(sorted(buckets)), build
+        self.min_width = min_width
         self.packages = compiled and lm_weight.device.type == "cpu"
         self._graphs: dict[tuple, object] = {}  # key -> compiled callable (None: no package, eager)
         self._fn = self.module
@@ -53,6 +57,14 @@ class HeadStepRunner:
             return None
         return next((b for b in self.buckets if b >= rows), None)
 
+    def widths(self, capacity: int) -> list[int]:
+        """The cache widths a compiled step over a cache of `capacity` slots attends over (a graph each)."""
+        widths, width = [], self.min_width
+        while 0 < width < capacity:
+            widths.append(width)
+            width *= 2
+        return widths + [capacity]
+
     @torch.no_grad()
     def __call__(self, cache: HeadKVCache, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                  visible: torch.Tensor, k: int, from_draft: bool, last_only: bool = False):
@@ -65,9 +77,10 @@ class HeadStepRunner:
             return self._in_chunks(cache, tokens, features, positions, visible, k, from_draft, last_only)
         bucket = self.bucket(rows)
         padded = bucket or rows
-        cache.reserve(start + padded + 1, like=self.module.head.fc.weight, arch=self.module.head.arch)
-        width = cache.capacity if bucket else start + rows  # attention runs over [0, width)
-        scratch = cache.capacity - 1  # padding rows write here; it is never visible
+        cache.reserve(start + rows + 1, like=self.module.head.fc.weight, arch=self.module.head.arch)
+        # attention runs over [0, width); padding rows write to its last slot, past every row's own
+        width = next(w for w in self.widths(cache.capacity) if w > start + rows) if bucket else start + rows
+        scratch = width - 1
         slots = torch.full((padded,), scratch, dtype=torch.long, device=tokens.device)
         slots[:rows] = torch.arange(start, start + rows, device=tokens.device)
         allowed = torch.zeros(padded, width, dtype=torch.bool, device=tokens.device)
@@ -81,7 +94,7 @@ class HeadStepRunner:
                 _pad(tokens, padded)[None], _pad(features, padded)[None], _pad(positions, padded)[None], slots,
                 mask[None, None], step_k, from_draft, last_only and not bucket)
         key = (padded, width, step_k, from_draft, args[0].stride()) if bucket else None  # the cache's strides too
-        hidden, top_logp, top_ids = self._run(args, key)
+        hidden, top_logp, top_ids = self._run(args, key, cache)
         cache.length = start + rows
         return hidden[0, :rows], top_logp[:rows, :k], top_ids[:rows, :k]
 
@@ -100,32 +113,40 @@ class HeadStepRunner:
                 top_ids.append(out[2])
         return torch.cat(hidden), torch.cat(top_logp), torch.cat(top_ids)
 
-    def _run(self, args, key: tuple | None):
+    def _run(self, args, key: tuple | None, cache: HeadKVCache):
         if key is None:
             return self.module(*args)
-        if key in self._graphs:
-            graph = self._graphs[key]
-            if graph is None:
-                return self.module(*args)
-            return graph(args) if self.packages else call_known_graph(self._fn, args, args[2].device)
-        if not self.packages:
-            start = time.perf_counter()
-            out = self._fn(*args)
-            self._graphs[key] = self._fn
-            log.info("compiled the head step for %d rows over a %d-slot cache in %.0f s", key[0], key[1],
-                     time.perf_counter() - start)
-            return out
-        bound = BoundHeadStep(self.module, args[7], args[8])
-        tensors = args[:7]
-        store_key = self.store.key("head-step", bound, tensors, {"k": args[7], "from_draft": args[8],
-                                                                  "arch": self.module.head.arch, "ops": op_schemas()},
-                                      STEP_SOURCES)
-        what = f"the head step for {key[0]} rows over a {key[1]}-slot cache"
-        runner = (self.store.load_or_build(store_key, bound, tensors, what) if self.build
-                  else self.store.load(store_key, bound))
-        graph = None if runner is None else (lambda a: tuple(runner(*a[:7])))
-        self._graphs[key] = graph
-        return self.module(*args) if graph is None else graph(args)
+        if key not in self._graphs:
+            if self.packages:
+                self._prepare_widths(args, key, cache)
+            else:
+                start = time.perf_counter()
+                out = self._fn(*args)
+                self._graphs[key] = self._fn
+                log.info("compiled the head step for %d rows over a %d-slot cache in %.0f s", key[0], key[1],
+                         time.perf_counter() - start)
+                return out
+        graph = self._graphs[key]
+        if graph is None:
+            return self.module(*args)
+        return graph(args) if self.packages else call_known_graph(self._fn, args, args[2].device)
+
+    def _prepare_widths(self, args, key: tuple, cache: HeadKVCache) -> None:
+        """Load (or build, when allowed) this step's package for every width of the cache at once, so that no
+        build falls inside a later round when the sequence grows into the next width. Export only traces: the
+        cache is not written."""
+        padded, _, step_k, from_draft, stride = key
+        bound = BoundHeadStep(self.module, step_k, from_draft)
+        constants = {"k": step_k, "from_draft": from_draft, "arch": self.module.head.arch, "ops": op_schemas()}
+        for width in self.widths(cache.capacity):
+            mask = args[6].new_zeros((1, 1, padded, width))
+            tensors = (cache.key_buffer[:, :, :width], cache.value_buffer[:, :, :width], *args[2:6], mask)
+            store_key = self.store.key("head-step", bound, tensors, constants, STEP_SOURCES)
+            what = f"the head step for {padded} rows over a {width}-slot cache"
+            runner = (self.store.load_or_build(store_key, bound, tensors, what) if self.build
+                      else self.store.load(store_key, bound))
+            self._graphs[(padded, width, step_k, from_draft, stride)] = (
+                None if runner is None else (lambda a, runner=runner: tuple(runner(*a[:7]))))
 
 
 def _pad(tensor: torch.Tensor, rows: int) -> torch.Tensor:
