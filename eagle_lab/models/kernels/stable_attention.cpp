@@ -122,53 +122,76 @@ inline void four_sums(const f32x16* partial, float* out) {
 }
 #endif
 
-// scores[t, s] = q[t] . k[s] for T queries [T, D] and S keys (row stride k_stride), each in one fixed order.
-inline void scores(const float* q, int64_t T, int64_t D, const float* k, int64_t k_stride, int64_t S,
-                   float* out) {
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-  if (D % 16 == 0) {
-    for (int64_t s0 = 0; s0 < S; s0 += 4) {
-      const int64_t n = std::min<int64_t>(4, S - s0);
-      for (int64_t t = 0; t < T; ++t) {
-        f32x16 partial[4] = {};
-        for (int64_t j = 0; j < n; ++j) partial[j] = partial_dot(q + t * D, k + (s0 + j) * k_stride, D);
-        float sums[4];
-        four_sums(partial, sums);
-        for (int64_t j = 0; j < n; ++j) out[t * S + s0 + j] = sums[j];
-      }
+// The visible keys of query (b, t), in increasing s: idx[r] = s and bias[r] = the mask's value for the r-th
+// visible key; returns how many. Every later sum runs over r, so a key's place in it depends on the visible
+// keys before it, not on its slot: a tree's node and the same token's one-token step (its ancestors compacted
+// into consecutive slots) sum the same numbers in the same order.
+inline int64_t visible_keys(int64_t S, const Mask& m, int64_t b, int64_t t, int32_t* idx, float* bias) {
+  if (m.data == nullptr) {
+    for (int64_t s = 0; s < S; ++s) {
+      idx[s] = static_cast<int32_t>(s);
+      bias[s] = 0.f;
     }
-    return;
+    return S;
+  }
+  int64_t n = 0, s = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (m.stride_s == 1) {  // 16 mask entries at a time: compare, then compress the visible ones' slots and biases
+    const int64_t row = b * m.stride_b + t * m.stride_t;
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512 hidden_below = _mm512_set1_ps(std::numeric_limits<float>::lowest() / 2);
+    for (; s + 16 <= S; s += 16) {
+      __mmask16 seen;
+      __m512 values = _mm512_setzero_ps();
+      if (m.is_bool) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const bool*>(m.data) + row + s));
+        seen = _mm_test_epi8_mask(bytes, bytes);
+      } else {
+        values = _mm512_loadu_ps(static_cast<const float*>(m.data) + row + s);
+        seen = _mm512_cmp_ps_mask(values, hidden_below, _CMP_GT_OQ);
+      }
+      _mm512_mask_compressstoreu_epi32(idx + n, seen, _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(s))));
+      _mm512_mask_compressstoreu_ps(bias + n, seen, values);
+      n += __builtin_popcount(static_cast<unsigned>(seen));
+    }
   }
 #endif
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t t = 0; t < T; ++t) out[t * S + s] = dot(q + t * D, k + s * k_stride, D);
-}
-
-// One query's visible keys, in increasing s: idx[r] = s and x[r] = factor * score + mask for the r-th visible key;
-// returns how many. Every later sum runs over r, so a key's place in it depends on the visible keys before it,
-// not on its slot: a tree's node and the same token's one-token step (its ancestors compacted into consecutive
-// slots) sum the same numbers in the same order.
-inline int64_t visible_keys(const float* raw, int64_t S, float factor, const Mask& m, int64_t b, int64_t t,
-                            int32_t* idx, float* x, float* bias) {
-  int64_t n = 0;
-  for (int64_t s = 0; s < S; ++s) {
+  for (; s < S; ++s) {
     bool hidden;
     const float value = m.at(b, t, s, hidden);
     if (hidden) continue;
     idx[n] = static_cast<int32_t>(s);
-    x[n] = raw[s];
     bias[n] = value;
     ++n;
   }
+  return n;
+}
+
+// x[r] = factor * (q . k[idx[r]]) + bias[r] for the n visible keys; each key's dot product in one fixed order
+// (16-lane partial products over d, then the lanes), whatever the keys beside it.
+inline void visible_scores(const float* q, int64_t D, const float* k, int64_t k_stride, const int32_t* idx,
+                           const float* bias, int64_t n, float factor, float* x) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  if (D % 16 == 0) {
+    for (int64_t r0 = 0; r0 < n; r0 += 4) {
+      const int64_t count = std::min<int64_t>(4, n - r0);
+      f32x16 partial[4] = {};
+      for (int64_t j = 0; j < count; ++j) partial[j] = partial_dot(q, k + idx[r0 + j] * k_stride, D);
+      four_sums(partial, x + r0);  // writes 4: x has room for a block past n
+    }
+  } else
+#endif
+  {
+    for (int64_t r = 0; r < n; ++r) x[r] = dot(q, k + idx[r] * k_stride, D);
+  }
   for (int64_t r0 = 0; r0 < n; r0 += 16) {  // a short last block goes through the same vector arithmetic
     float scores16[16] = {}, bias16[16] = {};
-    const int64_t k = std::min<int64_t>(16, n - r0);
-    std::memcpy(scores16, x + r0, k * sizeof(float));
-    std::memcpy(bias16, bias + r0, k * sizeof(float));
+    const int64_t count = std::min<int64_t>(16, n - r0);
+    std::memcpy(scores16, x + r0, count * sizeof(float));
+    std::memcpy(bias16, bias + r0, count * sizeof(float));
     const f32x16 y = load16(scores16) * factor + load16(bias16);
-    std::memcpy(x + r0, &y, k * sizeof(float));
+    std::memcpy(x + r0, &y, count * sizeof(float));
   }
-  return n;
 }
 
 // x[0, n) -> exp(x - max) in place; returns their sum: rank r adds into lane r % 16, then the lanes.
@@ -277,22 +300,20 @@ at::Tensor stable_attention(const at::Tensor& query, const at::Tensor& key, cons
   float* os = out.data_ptr<float>();
   const int64_t group = H / kvH;
   const float factor = static_cast<float>(scale);
-  // one task per (batch, query head): its T queries' scores share each key row read
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> raw(T * S), x(S), bias(S);  // [T, S] scores; one query's visible keys
+  // one task per (batch, query, head): its visible keys, their scores, the softmax and the weighted values
+  at::parallel_for(0, B * T * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(S + 4), bias(S);  // one query's visible keys (x: room for a last block of 4)
     std::vector<int32_t> idx(S);
     for (int64_t index = begin; index < end; ++index) {
-      const int64_t h = index % H, b = index / H;
-      const float* qh = qs + (b * H + h) * T * D;  // [T, D]
+      const int64_t h = index % H, t = (index / H) % T, b = index / (H * T);
+      const float* qt = qs + ((b * H + h) * T + t) * D;  // [D]
       const float* kb = ks + b * key.stride(0) + (h / group) * key.stride(1);
       const float* vb = vs + b * value.stride(0) + (h / group) * value.stride(1);
-      scores(qh, T, D, kb, key.stride(2), S, raw.data());
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t n = visible_keys(raw.data() + t * S, S, factor, m, b, t, idx.data(), x.data(), bias.data());
-        const float total = softmax_numerators(x.data(), n);
-        if (n == 0) continue;
-        weighted_values_any(x.data(), idx.data(), n, vb, value.stride(2), total, os + ((b * T + t) * H + h) * D, D);
-      }
+      const int64_t n = visible_keys(S, m, b, t, idx.data(), bias.data());
+      if (n == 0) continue;
+      visible_scores(qt, D, kb, key.stride(2), idx.data(), bias.data(), n, factor, x.data());
+      const float total = softmax_numerators(x.data(), n);
+      weighted_values_any(x.data(), idx.data(), n, vb, value.stride(2), total, os + ((b * T + t) * H + h) * D, D);
     }
   });
   return out;
