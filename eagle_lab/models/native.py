@@ -73,11 +73,13 @@ def _build(name: str, path: Path) -> None:
 
 @functools.cache
 def op_schemas() -> tuple[str, ...]:
-    """Every op schema the kernels' sources define (`m.def("...")`): what a compiled package that calls them
-    depends on, where the kernels' code itself is loaded fresh by every process."""
+    """Every op definition the kernels' sources make (`m.def("schema", {tags})`, whitespace collapsed): what a
+    compiled package that calls them depends on (the schema, and the tags that set how a graph lays out the
+    op's inputs), where the kernels' code itself is loaded fresh by every process."""
     schemas = []
     for source in sorted(SOURCE_DIR.glob("*.cpp")):
-        schemas += re.findall(r'm\.def\("([^"]+)"\)', source.read_text())
+        schemas += [" ".join(d.split()) for d in re.findall(r'm\.def\((".*?"(?:,\s*\{[^}]*\})?)\);', source.read_text(),
+                                                            flags=re.S)]
     return tuple(schemas)
 
 

@@ -267,13 +267,16 @@ inline void weighted_values_any(const float* p, const int32_t* idx, int64_t n, c
   }
 }
 
-at::Tensor stable_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+at::Tensor stable_attention(const at::Tensor& query, const at::Tensor& key_in, const at::Tensor& value_in,
                             const std::optional<at::Tensor>& mask, double scale) {
+  // any strides are read in place (a static cache's views) as long as D is contiguous; else a contiguous copy
+  const at::Tensor key = key_in.dim() == 4 && key_in.stride(3) != 1 ? key_in.contiguous() : key_in;
+  const at::Tensor value = value_in.dim() == 4 && value_in.stride(3) != 1 ? value_in.contiguous() : value_in;
   TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.dim() == 4,
               "stable_attention: query must be float32 CPU [B, H, T, D]");
   TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat && key.dim() == 4 &&
-                  value.sizes() == key.sizes() && key.stride(3) == 1 && value.stride(3) == 1,
-              "stable_attention: keys and values must be float32 [B, kvH, S, D] with D contiguous");
+                  value.sizes() == key.sizes(),
+              "stable_attention: keys and values must be float32 [B, kvH, S, D]");
   const at::Tensor q = query.contiguous();
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t kvH = key.size(1), S = key.size(2);
@@ -321,8 +324,11 @@ at::Tensor stable_attention(const at::Tensor& query, const at::Tensor& key, cons
 
 }  // namespace
 
+// flexible_layout: a compiled graph hands the op the static cache's own keys and values, strided views of the
+// whole cache, instead of copying them to contiguous tensors first (the kernel reads any stride but the last).
 TORCH_LIBRARY(eagle_lab_attention, m) {
-  m.def("stable_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor");
+  m.def("stable_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scale) -> Tensor",
+        {at::Tag::flexible_layout});
 }
 
 TORCH_LIBRARY_IMPL(eagle_lab_attention, CPU, m) { m.impl("stable_attention", &stable_attention); }
