@@ -3,8 +3,8 @@
 Keys and values go into the head cache at given slots in place, so the shapes a compiled step sees are
 fixed: rows are padded to a bucket, and attention runs under an additive mask over the first W slots of
 the cache, W the smallest width (256, its doublings, the capacity) past the rows' slots. Padding rows
-write to slot W - 1, which no row sees before a real row has written it (rows fill slots in order). On CPU each bucket
-is an AOTInductor package like the target's step (eagle_lab/decoding/graph_store.py: built once per
+write to slot W - 1, which no row sees before a real row has written it (rows fill slots in order). On
+CPU each bucket and width is an AOTInductor package like the target's step (eagle_lab/decoding/graph_store.py: built once per
 machine, loaded in milliseconds, bound to the head's own weights); one graph replaces the dozens of
 small eager kernels a step is made of. On CUDA it is compiled with torch.compile. Drafts are
 proposals only: their numerics never touch exactness.
