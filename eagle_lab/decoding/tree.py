@@ -35,7 +35,7 @@ class DraftTree:
 
 def build_tree(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:
     depths = node_depths(parents)
-    return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=ancestor_mask(parents, depths))
+    return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=ancestor_mask(parents))
 
 
 def root_only_tree(root_token: int, device: torch.device) -> DraftTree:
@@ -43,23 +43,22 @@ def root_only_tree(root_token: int, device: torch.device) -> DraftTree:
 
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
-    depths = torch.zeros_like(parents)
-    for i in range(1, parents.numel()):  # parents precede children, so one pass suffices
-        depths[i] = depths[parents[i]] + 1
-    return depths
+    parent_list = parents.tolist()  # a round's tree is small: lists beat a tensor op per node
+    depths = [0] * len(parent_list)
+    for i in range(1, len(parent_list)):  # parents precede children, so one pass suffices
+        depths[i] = depths[parent_list[i]] + 1
+    return torch.tensor(depths, dtype=parents.dtype, device=parents.device)
 
 
-def ancestor_mask(parents: torch.Tensor, depths: torch.Tensor | None = None) -> torch.Tensor:
-    n = parents.numel()
-    depths = node_depths(parents) if depths is None else depths
-    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
-    rows = torch.arange(n, device=parents.device)
-    ancestor = parents.clone()
-    for _ in range(int(depths.max()) if n > 1 else 0):  # climb one level per step, all nodes at once
-        has = ancestor >= 0
-        mask[rows[has], ancestor[has]] = True
-        ancestor = torch.where(has, parents[ancestor.clamp(min=0)], ancestor)
-    return mask
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    parent_list = parents.tolist()
+    n = len(parent_list)
+    rows: list[list[bool]] = []
+    for i in range(n):  # a node sees what its parent sees, and itself
+        row = list(rows[parent_list[i]]) if i > 0 and parent_list[i] >= 0 else [False] * n
+        row[i] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool, device=parents.device).reshape(n, n)
 
 
 def retrieve_indices(parents: torch.Tensor, depths: torch.Tensor | None = None) -> torch.Tensor:
