@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer, merge_chain
-from eagle_lab.decoding.sampling import SamplingParams, draw, target_probs
+from eagle_lab.decoding.sampling import SamplingParams, draw, greedy_token, target_probs
 from eagle_lab.decoding.tree import build_tree
 from eagle_lab.decoding.verify import verify_sampling
 from tests.conftest import NoisyDrafter, small_vocab_target
@@ -77,6 +77,17 @@ def test_draw_negative_control_detects_a_shifted_cdf():
     counts = draw_counts(weights, samples, seed=3, sampler=shifted)
     expected = {i: float(w / weights.sum()) for i, w in enumerate(weights)}
     assert chi_square_pvalue(counts, expected, samples) < ALPHA
+
+
+def test_greedy_token_is_argmax_ties_included():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.randn(49152, generator=g)
+        assert greedy_token(logits) == int(logits.argmax())
+    tied = torch.zeros(1000)
+    tied[[17, 400, 999]] = 3.0  # several maxima: the first, as argmax
+    assert greedy_token(tied) == int(tied.argmax()) == 17
+    assert greedy_token(tied[400:]) == 0
 
 
 def test_draw_refuses_an_empty_distribution():

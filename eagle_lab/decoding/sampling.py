@@ -49,10 +49,16 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def greedy_token(logits: torch.Tensor) -> int:
+    """The index of the largest of [V] logits, the first on a tie (as argmax): through max over the dim, which
+    is vectorised on CPU where argmax is not (26 against 70 us over SmolLM2's 49,152 logits)."""
+    return int(torch.max(logits, dim=0).indices)
+
+
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Choose one token from [V] logits: argmax when greedy, else a draw from target_probs."""
+    """Choose one token from [V] logits: the greedy token, else a draw from target_probs."""
     if params.greedy:
-        return int(logits.argmax())
+        return greedy_token(logits)
     return draw(target_probs(logits, params), generator)
 
 

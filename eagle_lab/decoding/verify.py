@@ -50,7 +50,7 @@ from collections.abc import Callable, Generator
 
 import torch
 
-from eagle_lab.decoding.sampling import SamplingParams, draw, target_probs
+from eagle_lab.decoding.sampling import SamplingParams, draw, greedy_token, target_probs
 from eagle_lab.decoding.tree import DraftTree
 
 
@@ -102,7 +102,7 @@ def _greedy_steps(tree: DraftTree) -> VerifySteps:
     tokens = tree.tokens.tolist()
     path, node = [0], 0
     while True:
-        best = int((yield node).argmax())  # the target's choice after this node
+        best = greedy_token((yield node))  # the target's choice after this node
         match = [c for c in children[node] if tokens[c] == best]  # sibling tokens are distinct
         if not match:
             return torch.tensor(path, device=tree.tokens.device), best
