@@ -13,7 +13,10 @@ class TreeSearchConfig:
     record_shape: tuple[int, int, int] = (7, 8, 64)  # the largest shape searched: its candidates contain all others'
     probe_shape: tuple[int, int, int] = (2, 2, 4)  # a small shape, timed to fit the overhead's slope
     new_tokens: int = 48
-    context: int = 256
+    # cached tokens behind the timed forwards and draft steps: about where the calibration's own runs decode (a
+    # chat prompt and new_tokens), so the model's prices agree with its timed no-draft and probe rounds; timed
+    # past 256 tokens (attending over 512 positions) a tree's forward cost 1.6 ms more than the runs' own
+    context: int = 96
     validate_new_tokens: int = 64  # per prompt when the best shapes are timed against plain decoding
     # sampling temperatures whose expected accept lengths the recording prices (a sampled request
     # drafts the tree chosen for the nearest of them, or for greedy decoding when that is nearer)
