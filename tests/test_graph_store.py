@@ -104,3 +104,22 @@ def test_compile_auto_in_a_short_run_uses_packages_when_they_exist(store_dir):
         assert isinstance(short, StaticBackend) and short.compiled and not short.build
     else:
         assert isinstance(short, EagerBackend)
+
+
+def test_packages_are_keyed_by_the_ops_tags_too(tmp_path, monkeypatch):
+    """A tag that changes how a graph lays out an op's inputs (flexible_layout: the cache's own views) changes what
+    a package computes, so the ops' definitions in a package's key carry their tags."""
+    from eagle_lab.models import native
+
+    definitions = native.op_schemas()
+    attention = [d for d in definitions if d.startswith('"stable_attention(')]
+    assert len(attention) == 1 and attention[0].endswith("{at::Tag::flexible_layout}")
+    assert any(d.startswith('"stable_linear_q4x8(') for d in definitions)
+    source = (native.SOURCE_DIR / "stable_attention.cpp").read_text()
+    monkeypatch.setattr(native, "SOURCE_DIR", tmp_path)
+    (tmp_path / "stable_attention.cpp").write_text(source.replace("{at::Tag::flexible_layout}", "{}"))
+    native.op_schemas.cache_clear()
+    try:
+        assert native.op_schemas() == (attention[0].replace("{at::Tag::flexible_layout}", "{}"),)  # another key
+    finally:
+        native.op_schemas.cache_clear()
