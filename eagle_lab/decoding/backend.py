@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from eagle_lab.decoding.compiled import StepCompiler, can_compile, choose
+from eagle_lab.decoding.compiled import StepCompiler, can_compile, choose, doubling_lengths
 from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.decoding.scoring import DynamicScorer, Scorer
 from eagle_lab.decoding.static_cache import EAGER_BLOCK, StaticKVCache
@@ -187,11 +187,7 @@ class StaticBackend:
 
     def attended_lengths(self, capacity: int) -> list[int]:
         """The lengths a compiled step over a cache of `capacity` attends over (one graph each)."""
-        lengths, length = [], self.min_attended_length
-        while 0 < length < capacity:
-            lengths.append(length)
-            length *= 2
-        return lengths + [capacity]
+        return doubling_lengths(self.min_attended_length, capacity)
 
     def attended_length(self, needed: int, capacity: int, rows: int, tokens: int,
                         layer_ids: tuple[int, ...] = ()) -> int:

@@ -42,6 +42,16 @@ STEP_SOURCES = ("decoding/step_graph.py", "models/stable_linear.py", "models/att
 KERNEL_SOURCES = ("models/kernels/stable_linear.cpp", "models/kernels/stable_attention.cpp")
 
 
+def doubling_lengths(first: int, capacity: int) -> list[int]:
+    """`first`, its doublings below `capacity`, then `capacity`: the lengths a compiled step attends over, one graph
+    each (the target's attended lengths, the head's cache widths); first <= 0: the capacity alone."""
+    lengths, length = [], first
+    while 0 < length < capacity:
+        lengths.append(length)
+        length *= 2
+    return lengths + [capacity]
+
+
 def inductor_cache_dir() -> str:
     """Where inductor keeps its artifacts (set once per process, before the first compile)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir

@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from eagle_lab.decoding.compiled import call_known_graph, raise_recompile_limits
+from eagle_lab.decoding.compiled import call_known_graph, doubling_lengths, raise_recompile_limits
 from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache
 from eagle_lab.drafters.eagle.head_step import STEP_SOURCES, HeadStep, BoundHeadStep
@@ -59,11 +59,7 @@ class HeadStepRunner:
 
     def widths(self, capacity: int) -> list[int]:
         """The cache widths a compiled step over a cache of `capacity` slots attends over (a graph each)."""
-        widths, width = [], self.min_width
-        while 0 < width < capacity:
-            widths.append(width)
-            width *= 2
-        return widths + [capacity]
+        return doubling_lengths(self.min_width, capacity)
 
     @torch.no_grad()
     def __call__(self, cache: HeadKVCache, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
