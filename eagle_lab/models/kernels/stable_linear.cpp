@@ -425,6 +425,7 @@ struct Q4x8Panel {
   inline void group(int64_t g, const int8_t* const* xq, i32x16* isum) const {
 #pragma GCC unroll 4
     for (int t = 0; t < GROUP / 8; ++t) {
+      prefetch(packed + (g * (GROUP / 8) + t) * 64);
       const i32x16 v = load_i32(packed + (g * (GROUP / 8) + t) * 64);
       const i32x16 low = v & 0x0F0F0F0F, high = (v >> 4) & 0x0F0F0F0F;
       const int64_t k = g * GROUP + 8 * t;
@@ -451,6 +452,7 @@ struct Q8x8Panel {
   inline void group(int64_t g, const uint8_t* const* xu, i32x16* isum) const {
 #pragma GCC unroll 8
     for (int t = 0; t < GROUP / 4; ++t) {
+      prefetch(packed + (g * (GROUP / 4) + t) * 64);
       const i32x16 w = load_i32(packed + (g * (GROUP / 4) + t) * 64);
       const int64_t k = g * GROUP + 4 * t;
 #pragma GCC unroll 8
