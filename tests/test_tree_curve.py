@@ -1,6 +1,7 @@
 """The tree-size curve read from a tree=auto calibration (python -m eagle_lab.benchmark.tree_curve)."""
 
 import json
+import os
 from dataclasses import asdict
 
 import pytest
@@ -39,3 +40,19 @@ def test_curve_cli_reads_a_file_and_refuses_bad_ones(tmp_path, capsys):
         main([f"file={bad}"])
     with pytest.raises(SystemExit, match="no such file"):
         main([f"file={tmp_path / 'missing.json'}"])
+
+
+def test_curve_cli_defaults_to_the_newest_calibration_not_the_servers_choices(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path))
+    folder = tmp_path / "tree_auto"
+    folder.mkdir()
+    calibration = folder / "smollm2_135m-0123456789abcdef.json"
+    calibration.write_text(json.dumps(summary()))
+    server_choices = folder / "smollm2_135m-rows-fedcba9876543210.json"
+    server_choices.write_text(json.dumps({"1": {"depth": 1}}))
+    os.utime(calibration, (1, 1))  # older than the server's file
+    main([])
+    assert "12 recorded rounds" in capsys.readouterr().out
+    calibration.unlink()
+    with pytest.raises(SystemExit, match="no calibration"):
+        main([])

@@ -21,10 +21,16 @@ from eagle_lab.tree_search.auto import choose, cost_model
 
 
 def newest_calibration() -> Path:
-    files = sorted((cache_root() / "tree_auto").glob("*.json"), key=lambda f: f.stat().st_mtime)
-    if not files:
-        raise SystemExit(f"tree_curve: no calibration under {cache_root() / 'tree_auto'} (run serve.py with tree=auto)")
-    return files[-1]
+    """The newest tree=auto calibration in the cache; the server's per-batch-size choices, kept beside them
+    (`<target>-rows-*.json`, no cost model), are passed over."""
+    files = sorted((cache_root() / "tree_auto").glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+    for file in files:
+        try:
+            if "cost_model" in json.loads(file.read_text()):
+                return file
+        except (OSError, json.JSONDecodeError):
+            continue
+    raise SystemExit(f"tree_curve: no calibration under {cache_root() / 'tree_auto'} (run serve.py with tree=auto)")
 
 
 def best_by_size(ranked: list[dict], ngram: bool) -> dict[int, dict]:
