@@ -43,17 +43,22 @@ def _compiler_version(cxx: str) -> str:
 
 def library_path(name: str) -> Path:
     """Where the library built from kernels/NAME.cpp for this machine lives (built or not)."""
+    return _keyed_path(name, (SOURCE_DIR / f"{name}.cpp").read_bytes())
+
+
+def _keyed_path(stem: str, source: bytes) -> Path:
     cxx = compiler()
     digest = hashlib.sha256()
-    for part in ((SOURCE_DIR / f"{name}.cpp").read_bytes(), torch.__version__.encode(),
+    for part in (source, torch.__version__.encode(),
                  str(torch.compiled_with_cxx11_abi()).encode(), _compiler_version(cxx).encode(),
                  cpu_features().encode(), " ".join(sorted(cpu_flags())).encode(),
                  " ".join(FLAGS).encode()):
         digest.update(part)
-    return cache_root() / "kernels" / f"{name}-{digest.hexdigest()[:16]}.so"
+    return cache_root() / "kernels" / f"{stem}-{digest.hexdigest()[:16]}.so"
 
 
-def _build(name: str, path: Path) -> None:
+def _build(name: str, path: Path, source: Path | None = None) -> None:
+    """Compile `source` (default kernels/NAME.cpp) into the library at `path`."""
     from torch.utils.cpp_extension import include_paths
 
     torch_lib = Path(torch.__file__).parent / "lib"
@@ -62,7 +67,7 @@ def _build(name: str, path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         staged = Path(scratch) / path.name
         command = [compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
-                   *(f"-I{p}" for p in include_paths()), str(SOURCE_DIR / f"{name}.cpp"), "-o", str(staged),
+                   *(f"-I{p}" for p in include_paths()), str(source or SOURCE_DIR / f"{name}.cpp"), "-o", str(staged),
                    f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
@@ -90,3 +95,24 @@ def load(name: str) -> None:
     if not path.is_file():
         _build(name, path)
     torch.ops.load_library(str(path))
+
+
+def load_variant(name: str, source: str):
+    """Another version of kernels/NAME.cpp (its text), its ops registered under a namespace of its own (the
+    source's, suffixed with the text's digest: torch allows one library per namespace in a process), so that
+    both versions run in one process: how two kernels are compared on a machine whose speed drifts between
+    processes (eagle_lab/benchmark/kernel_ab.py). Built once, keyed like load()'s. -> torch.ops.<namespace>."""
+    own = re.search(r"TORCH_LIBRARY\((\w+),", source)
+    if own is None:
+        raise EagleLabError(f"this {name} source registers no ops (no TORCH_LIBRARY)")
+    namespace = f"{own.group(1)}_v{hashlib.sha1(source.encode()).hexdigest()[:10]}"
+    renamed = re.sub(rf"\b{own.group(1)}\b", namespace, source)
+    path = _keyed_path(f"{name}-{namespace}", renamed.encode())
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+            staged_source = Path(scratch) / f"{name}.cpp"
+            staged_source.write_text(renamed)
+            _build(f"{name} ({namespace})", path, staged_source)
+    torch.ops.load_library(str(path))
+    return getattr(torch.ops, namespace)
