@@ -35,8 +35,11 @@ def source_of(against: str) -> str:
             raise EagleLabError(f"no such file {path}")
         return path.read_text()
     relative = (SOURCE_DIR / "stable_linear.cpp").relative_to(SOURCE_DIR.parents[2])
-    done = subprocess.run(["git", "show", f"{against}:{relative.as_posix()}"], cwd=SOURCE_DIR, capture_output=True,
-                          text=True, check=False)
+    try:
+        done = subprocess.run(["git", "show", f"{against}:{relative.as_posix()}"], cwd=SOURCE_DIR,
+                              capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise EagleLabError(f"cannot read '{against}': no git on PATH (give a .cpp file instead)") from None
     if done.returncode != 0:
         raise EagleLabError(f"cannot read {relative} at '{against}' (a git revision of this checkout, or a .cpp "
                             f"file): {done.stderr.strip()}")
