@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_lab.benchmark.gemm_rows import KERNELS, linear_stack
+from eagle_lab.benchmark.gemm_rows import KERNELS, SHAPES, linear_stack
 from eagle_lab.benchmark.tool_args import key_values
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.native import SOURCE_DIR, load_variant
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> None:
         against = args.get("against", "HEAD")
         load_kernels()
         ours, theirs = torch.ops.eagle_lab_kernels, load_variant("stable_linear", source_of(against))
-        print(f"ms per pass over {layers} layers x 7 linears + the LM head, {torch.get_num_threads()} threads, "
+        print(f"ms per pass over {layers} layers x {len(SHAPES)} linears + the LM head, {torch.get_num_threads()} threads, "
               f"{passes} passes in turns; working tree against {against}")
         print("| kernel | rows | working tree | against | ratio |")
         print("|---|---:|---:|---:|---:|")
