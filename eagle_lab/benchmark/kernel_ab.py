@@ -77,8 +77,8 @@ def main(argv: list[str]) -> None:
         against = args.get("against", "HEAD")
         load_kernels()
         ours, theirs = torch.ops.eagle_lab_kernels, load_variant("stable_linear", source_of(against))
-        print(f"ms per pass over {layers} layers x {len(SHAPES)} linears + the LM head, {torch.get_num_threads()} threads, "
-              f"{passes} passes in turns; working tree against {against}")
+        print(f"ms per pass over {layers} layers x {len(SHAPES)} linears + the LM head, "
+              f"{torch.get_num_threads()} threads, {passes} passes in turns; working tree against {against}")
         print("| kernel | rows | working tree | against | ratio |")
         print("|---|---:|---:|---:|---:|")
         for kernel in kernels:
