@@ -16,8 +16,8 @@ from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.native import library_path
-from eagle_lab.models.stable_linear import (FORMATS, GROUP, WEIGHTS, StableLinear, convert_linears, fit_q4_1,
-                                            fit_q8_0, kernels_available)
+from eagle_lab.models.stable_linear import (FORMATS, GROUP, WEIGHTS, FusedProjections, ProjectionPart, StableLinear,
+                                            convert_linears, fit_q4_1, fit_q8_0, kernels_available)
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model
 from tests.conftest import FAMILIES, NoisyDrafter, OracleDrafter, small_vocab_target
@@ -125,11 +125,34 @@ def test_the_library_is_keyed_by_what_its_code_depends_on(monkeypatch):
     assert library_path("stable_linear") != here  # and so does another CPU
 
 
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projections_give_bitwise_what_the_separate_layers_give(storage, bias):
+    torch.manual_seed(0)
+    widths = (96, 32, 40)  # the last width does not fill its panel of 16 columns
+    linears = [nn.Linear(64, n, bias=bias) for n in widths]
+    separate = [StableLinear(linear, storage) for linear in linears]
+    fused = FusedProjections(linears, storage)
+    parts = [ProjectionPart(fused, i) for i in range(len(widths))]
+    x = torch.randn(3, 5, 64)
+    for order in ((0, 1, 2), (2, 0, 1)):
+        outs = {i: parts[i](x) for i in order}
+        for i in order:
+            assert outs[i].shape == (3, 5, widths[i])
+            assert torch.equal(outs[i], separate[i](x))
+    assert fused._input is None and fused._parts == ()  # nothing kept once every part was taken
+    y = x + 1  # a new input recomputes, and so does a part asked twice for one input
+    assert torch.equal(parts[1](y), separate[1](y)) and torch.equal(parts[1](y), separate[1](y))
+    assert torch.equal(parts[2].dequantized(), separate[2].dequantized())
+
+
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_load_target_converts_every_linear_and_keeps_the_lm_head_tied(weights):
     target = load_target(TargetConfig(name="tiny_llama", source="tiny", device="cpu", weights=weights))
     layers = [m for m in target.model.modules() if isinstance(m, StableLinear)]
-    assert len(layers) == 7 * target.config.num_hidden_layers + 1  # q, k, v, o, gate, up, down; the LM head
+    # per decoder layer: q, k and v fused, o, gate and up fused, down; then the LM head
+    assert len(layers) == 4 * target.config.num_hidden_layers + 1
+    assert sum(isinstance(m, ProjectionPart) for m in target.model.modules()) == 5 * target.config.num_hidden_layers
     assert not any(type(m) is nn.Linear for m in target.model.modules())
     decoder, head = FORMATS[weights]
     assert target.lm_head.storage == head and layers[0].storage == decoder

