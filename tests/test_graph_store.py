@@ -2,6 +2,9 @@
 a package that anything it depends on has changed under is rebuilt, never loaded; a package runs the weights
 of the module it is bound to, not those it was built with."""
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -49,10 +52,14 @@ def test_a_package_built_once_serves_a_later_backend_equal_to_eager(store_dir, m
         raise AssertionError("a package that exists was built again")
 
     monkeypatch.setattr(GraphStore, "build", no_build)
+    month_ago = time.time() - 30 * 86400
+    for package in packages:
+        os.utime(package, (month_ago, month_ago))
     later = backend_for(target, build=False)  # what a later process with compile=auto does in a short run
     assert later.has_graphs()
     assert greedy(target, later) == reference
     assert later._steps._graphs and not later._steps._missing  # it ran the package, not eager fallbacks
+    assert not GraphStore().unused(days=14)  # loading stamped them as used: pruning keeps them
 
 
 def test_a_stale_package_is_rebuilt_not_loaded(store_dir, monkeypatch):

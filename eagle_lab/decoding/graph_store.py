@@ -23,6 +23,10 @@ versions, the CPU's instruction sets, eagle_lab's source files of that step, the
 names, shapes and dtypes, the example inputs' shapes, strides and dtypes, and the step's own
 constants (rows, attended length, layers). Change any of them and the package is built anew
 instead of loaded; a package that fails to load is rebuilt too.
+
+So an upgrade leaves the packages of the old code behind. A load stamps its package's modification time,
+which is then the time it was last used, and `python -m eagle_lab.decoding.graph_store [unused_days=14]
+[dry_run=false]` removes the packages no process has loaded for that many days.
 """
 
 from __future__ import annotations
@@ -158,6 +162,7 @@ class GraphStore:
         except (RuntimeError, OSError, ValueError, KeyError) as err:
             log.warning("compiled graph %s does not load here (%s); building it again", path.name, err)
             return None
+        _mark_used(path)
         return LoadedPackage(runner)
 
     def build(self, key: str, module: nn.Module, args: tuple) -> LoadedPackage:
@@ -199,6 +204,22 @@ class GraphStore:
         files = list(self.root.glob("*.pt2")) if self.root.is_dir() else []
         return len(files), sum(f.stat().st_size for f in files)
 
+    def unused(self, days: float) -> list[Path]:
+        """The packages no process has loaded (or built) for `days` days, oldest first."""
+        if not self.root.is_dir():
+            return []
+        cutoff = time.time() - days * 86400
+        old = [f for f in self.root.glob("*.pt2") if f.stat().st_mtime < cutoff]
+        return sorted(old, key=lambda f: f.stat().st_mtime)
+
+
+def _mark_used(path: Path) -> None:
+    """Stamp a package as used now (its modification time), so that pruning keeps it."""
+    try:
+        os.utime(path)
+    except OSError:  # a read-only store still serves its packages
+        pass
+
 
 class LoadedPackage:
     """A loaded package, called with tensors and nested lists or tuples of them as it was exported with.
@@ -225,3 +246,32 @@ def _flatten_tensors(value, out: list) -> None:
     elif isinstance(value, (list, tuple)):
         for item in value:
             _flatten_tensors(item, out)
+
+
+def main(argv: list[str]) -> None:
+    """Remove packages unused for `unused_days` (default 14); dry_run=true only lists them."""
+    from eagle_lab.benchmark.tool_args import key_values
+
+    args = key_values("graph_store", argv, ("unused_days", "dry_run"))
+    try:
+        days = float(args.get("unused_days", 14))
+    except ValueError:
+        raise SystemExit(f"graph_store: unused_days must be a number, got {args['unused_days']!r}") from None
+    dry_run = args.get("dry_run", "false").lower()
+    if days < 0 or dry_run not in ("true", "false"):
+        raise SystemExit("graph_store: unused_days must be >= 0 and dry_run true or false")
+    store = GraphStore()
+    old = store.unused(days)
+    size = sum(f.stat().st_size for f in old)
+    for f in old:
+        print(f"{'would remove' if dry_run == 'true' else 'removing'} {f.name} (last used "
+              f"{time.strftime('%Y-%m-%d', time.localtime(f.stat().st_mtime))})")
+        if dry_run == "false":
+            f.unlink()
+    count, left = store.summary()
+    print(f"{len(old)} packages unused for {days:g} days ({size / 1e6:.0f} MB) "
+          f"{'found' if dry_run == 'true' else 'removed'}; {count} left in {store.root} ({left / 1e6:.0f} MB)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
