@@ -115,6 +115,8 @@ def build_decoder(method: str, target: Target, drafter: Drafter | None, prompt_i
     if method in SPECULATIVE:
         if isinstance(drafter, EagleDrafter):
             drafter.select(params)  # tree=auto's tree for this temperature
+            if drafter.drafts_nothing:  # tree=auto found no tree that pays here: plain decoding, at its cost
+                return vanilla_decode(target, prompt_ids, params, stopper, generator, backend)
         return speculative_decode(target, drafter, prompt_ids, params, stopper, generator, backend)
     raise EagleLabError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
 

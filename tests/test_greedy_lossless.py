@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from eagle_lab.builders import build_decoder
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
@@ -131,6 +132,24 @@ def test_drafting_off_skips_the_head_and_matches(tiny_llama):
     plain, spec = run_both(tiny_llama, drafter, prompts(1)[0], new_tokens=20)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.target_forwards == plain.stats.target_forwards and drafter.committed == 0
+
+
+def test_a_decoder_whose_tree_drafts_nothing_is_plain_decoding(tiny_llama):
+    """Where tree=auto switches drafting off for a temperature, the decoder is plain decoding itself: its loop, its
+    cost; with an n-gram chain left, it stays speculative."""
+    prompt = prompts(1)[0]
+    stopper = lambda: Stopper(tiny_llama.tokenizer, 16, set())  # noqa: E731
+    plain = generate(vanilla_decode(tiny_llama, prompt, SamplingParams(), stopper()))
+    off = EagleDrafter(new_head(tiny_llama, seed=5), tiny_llama, TreeShape(0, 0, 0))
+    assert off.drafts_nothing
+    decoder = build_decoder("eagle", tiny_llama, off, prompt, SamplingParams(), stopper(), None)
+    assert decoder.gi_code is vanilla_decode.__code__
+    assert generate(decoder).token_ids == plain.token_ids
+    chain_only = EagleDrafter(new_head(tiny_llama, seed=5), tiny_llama, TreeShape(0, 0, 0), ngram=NgramProposer())
+    assert not chain_only.drafts_nothing
+    decoder = build_decoder("eagle+ngram", tiny_llama, chain_only, prompt, SamplingParams(), stopper(), None)
+    assert decoder.gi_code is speculative_decode.__code__
+    assert generate(decoder).token_ids == plain.token_ids
 
 
 def test_root_only_rounds_run_the_plain_forward(tiny_llama, monkeypatch):

@@ -3,7 +3,7 @@
 import pytest
 
 from eagle_lab.benchmark.profile_round import main as profile_round
-from eagle_lab.benchmark.tool_args import key_values
+from eagle_lab.errors import key_values
 
 
 def test_key_values_parses_and_refuses():

@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from eagle_lab.benchmark.tool_args import key_values
+from eagle_lab.errors import key_values
 from eagle_lab.models.attention import load_attention_kernel
 from eagle_lab.tree_search.costs import timed
 

@@ -21,7 +21,7 @@ import torch
 
 from eagle_lab.builders import build_head, eagle_drafter
 from eagle_lab.config import HeadConfig
-from eagle_lab.benchmark.tool_args import key_values
+from eagle_lab.errors import key_values
 from eagle_lab.decoding.backend import DecodingConfig, build_backend, compile_choice
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from eagle_lab.benchmark.tool_args import key_values
+from eagle_lab.errors import key_values
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.tree_search.auto import choose, cost_model

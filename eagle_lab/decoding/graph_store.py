@@ -25,8 +25,8 @@ constants (rows, attended length, layers). Change any of them and the package is
 instead of loaded; a package that fails to load is rebuilt too.
 
 So an upgrade leaves the packages of the old code behind. A load stamps its package's modification time,
-which is then the time it was last used, and `python -m eagle_lab.decoding.graph_store [unused_days=14]
-[dry_run=false]` removes the packages no process has loaded for that many days.
+which is then the time it was last used, and `python -m eagle_lab.decoding.graph_store
+[unused_days=14] [dry_run=false]` removes the packages no process has loaded for that many days.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from eagle_lab.errors import key_values
 from eagle_lab.models.device import cpu_features
 from eagle_lab.models.embedded import cache_root
 
@@ -250,8 +251,6 @@ def _flatten_tensors(value, out: list) -> None:
 
 def main(argv: list[str]) -> None:
     """Remove packages unused for `unused_days` (default 14); dry_run=true only lists them."""
-    from eagle_lab.benchmark.tool_args import key_values
-
     args = key_values("graph_store", argv, ("unused_days", "dry_run"))
     try:
         days = float(args.get("unused_days", 14))

@@ -87,6 +87,11 @@ class EagleDrafter:
         """Head steps whose graphs are missing run eagerly from now on (forks share the runner)."""
         self.runner.build = False
 
+    @property
+    def drafts_nothing(self) -> bool:
+        """Whether the current tree proposes no token at all (no head tree, no n-gram chain)."""
+        return self.ngram is None and min(self.shape.depth, self.shape.topk, self.shape.total_tokens) < 1
+
     def use_tree(self, shape: TreeShape, ngram: NgramProposer | None = None) -> None:
         """Draft `shape` from now on, with `ngram`'s chains merged in (None: no chains)."""
         self.shape, self.ngram = shape, ngram
