@@ -33,7 +33,8 @@ def run_entry(job: Callable[[DictConfig], object], cfg: DictConfig) -> object:
 
 
 def key_values(tool: str, argv: list[str], known: tuple[str, ...]) -> dict[str, str]:
-    """The key=value arguments of a small tool (`python -m eagle_lab.<module> k=v ...`) as {key: value}; SystemExit with one line naming the tool for a malformed or unknown argument."""
+    """The key=value arguments of a small tool (`python -m eagle_lab.<module> k=v ...`) as {key: value};
+    SystemExit with one line naming the tool for a malformed or unknown argument."""
     malformed = [a for a in argv if "=" not in a or not a.split("=", 1)[0]]
     if malformed:
         raise SystemExit(f"{tool}: arguments are key=value pairs, got {malformed}")

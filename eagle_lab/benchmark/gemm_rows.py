@@ -14,8 +14,7 @@ import sys
 import torch
 from torch import nn
 
-from eagle_lab.errors import key_values
-from eagle_lab.errors import EagleLabError
+from eagle_lab.errors import EagleLabError, key_values
 from eagle_lab.models.stable_linear import StableLinear
 from eagle_lab.tree_search.costs import timed
 

@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from eagle_lab.benchmark.gemm_rows import KERNELS, SHAPES, linear_stack
-from eagle_lab.errors import key_values
-from eagle_lab.errors import EagleLabError
+from eagle_lab.errors import EagleLabError, key_values
 from eagle_lab.models.native import SOURCE_DIR, load_variant
 from eagle_lab.models.stable_linear import load_kernels
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_lab.errors import key_values
-from eagle_lab.errors import EagleLabError
+from eagle_lab.errors import EagleLabError, key_values
 from eagle_lab.models.prompts import encode_prompt
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.tree_search.auto import CALIBRATION_PROMPTS

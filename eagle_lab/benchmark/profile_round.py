@@ -21,10 +21,9 @@ import torch
 
 from eagle_lab.builders import build_head, eagle_drafter
 from eagle_lab.config import HeadConfig
-from eagle_lab.errors import key_values
 from eagle_lab.decoding.backend import DecodingConfig, build_backend, compile_choice
 from eagle_lab.drafters.growth import TreeShape
-from eagle_lab.errors import EagleLabError
+from eagle_lab.errors import EagleLabError, key_values
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.models.prompts import encode_prompt
 from eagle_lab.decoding.sampling import SamplingParams
