@@ -23,7 +23,7 @@ from eagle_lab.decoding.scoring import DynamicScorer, Scorer
 from eagle_lab.decoding.static_cache import EAGER_BLOCK, StaticKVCache
 from eagle_lab.decoding.static_rows import RowScorer, StaticRows
 from eagle_lab.errors import EagleLabError
-from eagle_lab.models.target import Target, additive_mask
+from eagle_lab.models.target import Target, additive_mask, causal_mask
 
 log = logging.getLogger(__name__)
 COMPILE_CHOICES = ("auto", "true", "false")
@@ -180,7 +180,7 @@ class StaticBackend:
         count = prompt_ids.numel()
         view = cache.eager_prefix(row, 1, count)
         view.set_length(0)
-        causal = torch.ones(count, count, dtype=torch.bool, device=prompt_ids.device).tril()  # [T, T]
+        causal = causal_mask(count, prompt_ids.device)  # [T, T]
         mask = self.mask(causal, past=0, capacity=view.capacity)  # [1, 1, T, L]
         positions = torch.arange(count, device=prompt_ids.device)[None]  # [1, T]
         return self._steps.backbone(view, prompt_ids[None], positions, mask, layer_ids)
@@ -226,7 +226,7 @@ class StaticBackend:
             start = length - tokens
             tensors = [tensor for layer in view.layers for tensor in (layer.keys, layer.values)]  # [R, kvH, L, D]
             saved = [tensor[:, :, start:].clone() for tensor in tensors]  # what the dummy step overwrites
-            causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
+            causal = causal_mask(tokens, device)
             mask = self.mask(causal, start, length).expand(rows, -1, -1, -1)  # [R, 1, K, L]
             positions = torch.arange(start, length, device=device).repeat(rows, 1)  # [R, K]
             input_ids = torch.zeros(rows, tokens, dtype=torch.long, device=device)

@@ -199,7 +199,10 @@ class StepCompiler:
                 return fn(c.hf_cache, *args)
             return compiled
         flat = FlatStep(self.module, cache, layer_ids)
-        args = (input_ids, positions, mask, cache_inputs(cache.hf_cache))
+        # each counter a tensor of its own: on CPU they are elements of one tensor (static_cache.py), and export
+        # is given no aliased inputs that it writes to (a package reads and adds to each input apart either way)
+        kv = [(keys, values, written.clone()) for keys, values, written in cache_inputs(cache.hf_cache)]
+        args = (input_ids, positions, mask, kv)
         store_key = self._package_key(flat, args)
         what = f"the target step for {_shape_name(key[1], key[2])} over {cache.capacity} positions"
         # export traces on fake tensors: building writes nothing into the cache

@@ -4,8 +4,8 @@ Every layer holds [R, kvH, capacity, D] tensors at fixed addresses, which is wha
 compiled forward (and a captured CUDA graph) reuse one graph round after round. R is 1 for
 one sequence; the server keeps one row per sequence it decodes (static_rows.py). The cache
 writes each forward's K/V at its own counter (`cumulative_length`), the same positions in
-every row; this module owns that counter: `set_length` rewinds it, and `keep_accepted`
-moves a verified tree path in place right after a row's committed prefix. Entries past a
+every row; this module owns that counter: `set_length` sets it before each forward, and
+`keep_accepted` moves a verified tree path in place right after a row's committed prefix. Entries past a
 row's committed length are stale and stay hidden by the attention mask until overwritten.
 
 `view(rows, length)` is a cache over the first `rows` rows (or one row) and the first
@@ -45,6 +45,22 @@ def _as_graph_inputs(hf_cache: StaticCache) -> None:
                 tensor.__dict__.pop("_dynamo_static_input_type", None)
 
 
+def _shared_counters(hf_cache: StaticCache) -> torch.Tensor | None:
+    """On CPU, every layer's write counter becomes one element of a single tensor [layers], so that setting
+    them all is one kernel, not one per layer (a decoding step sets them once, and on a 2-core CPU 30 fills
+    cost about 2% of a small model's step). Each layer still adds to its own element in place, so nothing
+    is shared but the storage. CUDA keeps Hugging Face's own counters (marked static for CUDA graphs).
+    -> the shared tensor, or None where the counters stay apart."""
+    layers = hf_cache.layers
+    if not layers or any(layer.cumulative_length.device.type != "cpu" for layer in layers):
+        return None
+    counters = torch.zeros(len(layers), dtype=layers[0].cumulative_length.dtype)
+    for index, layer in enumerate(layers):
+        counters[index] = layer.cumulative_length
+        layer.cumulative_length = counters[index]  # a 0-d view, like the tensor it replaces
+    return counters
+
+
 class StaticKVCache:
     def __init__(self, config, capacity: int, device: torch.device, dtype: torch.dtype, rows: int = 1,
                  hf_cache: StaticCache | None = None):
@@ -59,6 +75,7 @@ class StaticKVCache:
             kv_heads, head_dim = _kv_shape(config)
             self.hf_cache.early_initialization(rows, kv_heads, head_dim, dtype, device)
         _as_graph_inputs(self.hf_cache)
+        self._counters = _shared_counters(self.hf_cache)
         self._views: dict[tuple[int, int, int], StaticKVCache] = {}
 
     @property
@@ -73,6 +90,9 @@ class StaticKVCache:
         """The next forward writes its K/V from position `length` on (in every row)."""
         if not 0 <= length <= self.capacity:
             raise ValueError(f"cache length {length} outside [0, {self.capacity}]")
+        if self._counters is not None:
+            self._counters.fill_(length)
+            return
         for layer in self.layers:
             layer.cumulative_length.fill_(length)
 
@@ -107,16 +127,16 @@ class StaticKVCache:
         indices in path order; scored_at defaults to past), in place.
 
         accepted: [L] int64, accepted[0] = 0 (the root). The accepted entries move to
-        past .. past + L - 1; the counter is set to past + L."""
+        past .. past + L - 1. The write counter is left alone: every forward sets it first (set_length), and
+        30-odd counters cost a fill each."""
         scored_at = past if scored_at is None else scored_at
         count = accepted.numel()
-        contiguous = scored_at == past and bool((accepted == torch.arange(count, device=accepted.device)).all())
+        contiguous = scored_at == past and accepted.tolist() == list(range(count))  # a chain: nothing moves
         if not contiguous:
             source = accepted.to(self.device) + scored_at  # [L]
             for layer in self.layers:
                 if layer.is_initialized:
                     move_row_entries((layer.keys, layer.values), row, source, past)  # [R, kvH, capacity, D]
-        self.set_length(past + count)
 
     def move_entries(self, rows: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor) -> None:
         """rows, sources, targets: [n] int64: entry sources[i] of row rows[i] is copied to targets[i] (one copy

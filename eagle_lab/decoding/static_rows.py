@@ -30,7 +30,7 @@ import torch
 
 from eagle_lab.decoding.scoring import Scored
 from eagle_lab.decoding.static_cache import StaticKVCache
-from eagle_lab.models.target import Target, additive_mask
+from eagle_lab.models.target import Target, additive_mask, causal_mask
 from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.tree import DraftTree
 
@@ -157,11 +157,10 @@ class StaticRows:
             raise EagleLabError(f"the static batch cache ({self.capacity}) cannot hold {tokens_per_row} more tokens "
                                 f"after {width}")
         length = self.backend.attended_length(width + tokens_per_row, self.capacity, batch, tokens_per_row, layer_ids)
-        columns = torch.arange(tokens_per_row, device=device)  # [K]
         input_ids = torch.zeros(batch, tokens_per_row, dtype=torch.long, device=device)  # (B, K)
-        positions = (width + columns).repeat(batch, 1)  # (B, K)
+        positions = torch.arange(width, width + tokens_per_row, device=device).repeat(batch, 1)  # (B, K)
         allowed = torch.zeros(batch, tokens_per_row, length, dtype=torch.bool, device=device)  # (B, K, L)
-        allowed[:, columns, width + columns] = True  # padding sees itself
+        allowed[:, :, width:width + tokens_per_row].diagonal(dim1=1, dim2=2).fill_(True)  # padding sees itself
         for row, (tokens, depths, tree_mask) in zip(rows, nodes):
             n, i = tokens.numel(), row.index
             input_ids[i, :n] = tokens
@@ -229,7 +228,7 @@ class RowScorer:
         """tokens: [N] after `past`; depths [N] and tree_mask [N, N] for a tree, None for a chain."""
         if tree_mask is None:
             count = tokens.numel()
-            tree_mask = torch.ones(count, count, dtype=torch.bool, device=tokens.device).tril()  # a chain
+            tree_mask = causal_mask(count, tokens.device)  # a chain
             depths = torch.arange(count, device=tokens.device)
         self.scored = self.rows.score_nodes([self.row], [(tokens, depths, tree_mask)], self.layer_ids)[0]
         return Scored(self.scored.features, self.scored.head_features, self.scored.logits)

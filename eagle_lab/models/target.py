@@ -7,6 +7,7 @@ returns features (the LM-head input) and logits, and the loop decides.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -137,8 +138,34 @@ class Target(ModelShape):
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean attention mask (True: may attend) as the additive float mask attention takes: 0 where allowed,
-    the dtype's lowest value elsewhere; same shape."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    the dtype's lowest value elsewhere; same shape. One `where` over two cached scalars: a speculative round
+    builds masks several times, and zeros + masked_fill cost three kernels each."""
+    zero, lowest = _mask_values(dtype, allowed.device)
+    return torch.where(allowed, zero, lowest)
+
+
+@functools.lru_cache(maxsize=16)
+def _mask_values(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d tensors (0, the dtype's lowest value) for additive_mask: read only."""
+    return (torch.zeros((), dtype=dtype, device=device),
+            torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device))
+
+
+def causal_mask(count: int, device: torch.device) -> torch.Tensor:
+    """[count, count] bool, True on and below the diagonal: a chain's ancestor-or-self mask. Read only: the
+    small ones a round asks for are cached (callers copy from them), and none is built with `tril`, which
+    opens a parallel region on CPU (about 0.1 ms with the decoding threads asleep)."""
+    return _small_causal_mask(count, device) if count <= 64 else _causal_mask(count, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _small_causal_mask(count: int, device: torch.device) -> torch.Tensor:
+    return _causal_mask(count, device)
+
+
+def _causal_mask(count: int, device: torch.device) -> torch.Tensor:
+    steps = torch.arange(count, device=device)
+    return steps[:, None] >= steps[None, :]
 
 
 def tree_attention_mask(tree_mask: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:

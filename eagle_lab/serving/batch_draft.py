@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from eagle_lab.decoding.cache import move_row_entries
-from eagle_lab.models.target import additive_mask
+from eagle_lab.models.target import additive_mask, causal_mask
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.growth import TreeGrowth
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache
@@ -151,7 +151,7 @@ class HeadBatch:
         unseen = [row.sequence.unseen for row in rows]
         features = unseen[0].new_zeros(len(rows), length, unseen[0].shape[-1], dtype=self.head.dtype)  # [B, P, F]
         allowed = torch.zeros(len(rows), length, width + length, dtype=torch.bool, device=device)  # [B, P, W + P]
-        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+        causal = causal_mask(length, device)
         steps = torch.arange(length, device=device)
         for i, (row, past, count) in enumerate(zip(rows, pasts, counts)):
             tokens[i, :count] = row.sequence.sequence[row.sequence.sequence.numel() - count:]

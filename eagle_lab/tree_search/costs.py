@@ -28,7 +28,7 @@ from eagle_lab.decoding.backend import Backend, EagerBackend
 from eagle_lab.decoding.generate import Stopper, speculative_decode
 from eagle_lab.drafters.ngram import NgramProposer
 from eagle_lab.decoding.sampling import SamplingParams
-from eagle_lab.models.target import Target
+from eagle_lab.models.target import Target, causal_mask
 
 K_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -122,7 +122,7 @@ def measure_target_costs(target: Target, context: int, grid=K_GRID, backend: Bac
 
     def scoring(k: int):
         tokens = torch.randint(0, target.vocab_size, (k,), generator=g).to(target.device)
-        mask = torch.ones(k, k, dtype=torch.bool, device=target.device).tril()
+        mask = causal_mask(k, target.device)
         depths = torch.arange(k, device=target.device)
 
         def score():

@@ -29,7 +29,7 @@ from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache, draft_lm_head_
 from eagle_lab.drafters.eagle.head_runner import HeadStepRunner
 from eagle_lab.drafters.growth import Candidates, TreeChoice, TreeGrowth, TreeShape, grow_dynamic_tree
 from eagle_lab.drafters.ngram import NgramProposer, merge_chain
-from eagle_lab.models.target import Target
+from eagle_lab.models.target import Target, causal_mask
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class EagleDrafter:
         count = new_features.shape[0]
         device = sequence.device
         visible = torch.ones(count, self.committed + count, dtype=torch.bool, device=device)
-        visible[:, self.committed:] = torch.ones(count, count, dtype=torch.bool, device=device).tril()  # causal
+        visible[:, self.committed:] = causal_mask(count, device)
         positions = torch.arange(self.committed, self.committed + count, device=device)
         out = self.runner(self.cache, sequence[-count:], new_features, positions, visible, k, from_draft=False,
                           last_only=True)
