@@ -16,7 +16,7 @@ from eagle_lab.errors import run_entry
 from eagle_lab.config import ServeConfig, register_configs, to_object
 from eagle_lab.decoding.backend import build_backend, compile_choice
 from eagle_lab.errors import EagleLabError
-from eagle_lab.decoding.generate import Stopper
+from eagle_lab.decoding.generate import Stopper, check_prompt
 from eagle_lab.models.prompts import as_tensor, encode_prompt, read_prompts_file
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.target import load_target
@@ -63,7 +63,9 @@ def run(raw: DictConfig) -> None:
         return
     prompts = gather_prompts(cfg)
     target = load_target(cfg.target)
-    encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]  # checked before any work
+    encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]
+    for ids in encoded:  # before any work (compiling, tree=auto's calibration)
+        check_prompt(target, as_tensor(ids, target.device))
     planned = len(encoded) * cfg.max_new_tokens
     backend = build_backend(target, cfg.compile, cfg.decoding, planned_tokens=planned,
                             longest_prompt=max(len(ids) for ids in encoded), max_new_tokens=cfg.max_new_tokens)

@@ -420,3 +420,18 @@ def test_select_takes_the_tree_of_the_nearest_temperature(tiny_llama):
                                       (0.0, TreeShape(2, 1, 2), chain), (0.3, TreeShape(2, 1, 2), chain)):
         drafter.select(SamplingParams(temperature=temperature))
         assert (drafter.shape, drafter.ngram) == (shape, ngram), temperature
+
+
+def test_a_target_with_a_short_context_calibrates(tmp_path):
+    """A context shorter than the calibration's prefix and prompts: they are cut to fit, and tree=auto
+    chooses a tree instead of failing on its own prompts."""
+    from eagle_lab.models.target import TargetConfig, load_target
+
+    target = load_target(TargetConfig(name="tiny_llama", source="tiny", device="cpu", max_context=64))
+    drafter = EagleDrafter(new_head(target, seed=1), target, TreeShape(4, 4, 12))
+    search = TreeSearchConfig(depths=[1, 2], topks=[1, 2], totals=[1, 2, 4], record_shape=(2, 2, 4),
+                              probe_shape=(1, 2, 2), new_tokens=12)
+    shape = auto_tree(target, drafter, TreeShape(0, 0, 0), search=search, cache_dir=tmp_path, quick=True)
+    assert shape.depth in (0, 1, 2)
+    [path] = tmp_path.glob("*.json")
+    assert json.loads(path.read_text())["rounds"] > 0

@@ -97,7 +97,8 @@ class Stopper:
         return any(s in text[-(self._longest + 16):] for s in self.stop)
 
 
-def _check_prompt(target: Target, prompt_ids: torch.Tensor, max_context: int | None = None) -> None:
+def check_prompt(target: Target, prompt_ids: torch.Tensor, max_context: int | None = None) -> None:
+    """Refuse an empty prompt, or one longer than the target's context (or max_context)."""
     limit = target.max_context if max_context is None else max_context
     if prompt_ids.numel() == 0:
         raise EagleLabError("the prompt is empty")
@@ -107,9 +108,9 @@ def _check_prompt(target: Target, prompt_ids: torch.Tensor, max_context: int | N
 
 def _open(target: Target, backend: Backend | None, prompt_ids: torch.Tensor, stopper: Stopper,
           layer_ids: tuple[int, ...] = ()) -> Scorer:
-    _check_prompt(target, prompt_ids)
+    check_prompt(target, prompt_ids)
     scorer = (backend or EagerBackend(target)).open(prompt_ids.numel(), stopper.max_new_tokens, layer_ids)
-    _check_prompt(target, prompt_ids, scorer.max_context)
+    check_prompt(target, prompt_ids, scorer.max_context)
     return scorer
 
 

@@ -34,31 +34,47 @@ class DraftTree:
 
 
 def build_tree(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:
-    depths = node_depths(parents)
-    return DraftTree(tokens=tokens, parents=parents, depths=depths, mask=ancestor_mask(parents))
+    return tree_from_lists(tokens.tolist(), parents.tolist(), tokens.device)
+
+
+def tree_from_lists(tokens: list[int], parents: list[int], device: torch.device) -> DraftTree:
+    """A round's tree is small, and each small tensor op costs more than a Python loop over it: the depths
+    and the mask are worked out on lists, and four tensors are made at the end."""
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+                     parents=torch.tensor(parents, dtype=torch.long, device=device),
+                     depths=torch.tensor(_depths(parents), dtype=torch.long, device=device),
+                     mask=torch.tensor(_ancestor_rows(parents), dtype=torch.bool, device=device).reshape(len(parents),
+                                                                                                      len(parents)))
 
 
 def root_only_tree(root_token: int, device: torch.device) -> DraftTree:
-    return build_tree(torch.tensor([root_token], device=device), torch.tensor([-1], device=device))
+    return tree_from_lists([root_token], [-1], device)
 
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
-    parent_list = parents.tolist()  # a round's tree is small: lists beat a tensor op per node
-    depths = [0] * len(parent_list)
-    for i in range(1, len(parent_list)):  # parents precede children, so one pass suffices
-        depths[i] = depths[parent_list[i]] + 1
-    return torch.tensor(depths, dtype=parents.dtype, device=parents.device)
+    return torch.tensor(_depths(parents.tolist()), dtype=parents.dtype, device=parents.device)
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    parent_list = parents.tolist()
-    n = len(parent_list)
+    n = parents.numel()
+    return torch.tensor(_ancestor_rows(parents.tolist()), dtype=torch.bool, device=parents.device).reshape(n, n)
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):  # parents precede children, so one pass suffices
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+def _ancestor_rows(parents: list[int]) -> list[list[bool]]:
+    n = len(parents)
     rows: list[list[bool]] = []
     for i in range(n):  # a node sees what its parent sees, and itself
-        row = list(rows[parent_list[i]]) if i > 0 and parent_list[i] >= 0 else [False] * n
+        row = list(rows[parents[i]]) if i > 0 and parents[i] >= 0 else [False] * n
         row[i] = True
         rows.append(row)
-    return torch.tensor(rows, dtype=torch.bool, device=parents.device).reshape(n, n)
+    return rows
 
 
 def retrieve_indices(parents: torch.Tensor, depths: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,25 +96,31 @@ def retrieve_indices(parents: torch.Tensor, depths: torch.Tensor | None = None) 
 
 
 def select_best(scores: torch.Tensor, parents: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """best_nodes on tensors: (kept candidate indices [n], their parents as node indices [n])."""
+    kept, new_parents = best_nodes(scores.tolist(), parents.tolist(), count)
+    return (torch.tensor(kept, dtype=torch.long, device=scores.device),
+            torch.tensor(new_parents, dtype=torch.long, device=scores.device))
+
+
+def best_nodes(scores: list[float], parents: list[int], count: int) -> tuple[list[int], list[int]]:
     """Keep the `count` highest-scoring candidates as a tree under a new root.
 
-    scores: [M] cumulative draft log-probabilities (a child never beats its parent);
+    scores: [M] cumulative draft log-probabilities (a child never scores above its parent);
     parents: [M] candidate index of each candidate's parent, -1 for the root's children,
-    parents listed before children. Ties keep the earlier candidate, so an ancestor is
-    never dropped while its descendant is kept.
-    Returns (kept candidate indices [n] in candidate order, their parents as node indices
-    of the new tree [n], where the root is node 0 and kept[i] becomes node i + 1).
+    parents listed before children. Ties keep the earlier candidate (the sort is stable), so an
+    ancestor is never dropped while its descendant is kept.
+
+    Returns (kept candidate indices in candidate order, their parents as node indices of the new
+    tree, where the root is node 0 and kept[i] becomes node i + 1).
     """
-    count = min(count, scores.numel())
-    order = torch.sort(scores, descending=True, stable=True).indices[:count]
-    kept = order.sort().values  # [n] candidate order keeps parents first
-    node_of = torch.full((scores.numel() + 1,), -1, dtype=torch.long, device=scores.device)
-    node_of[kept] = torch.arange(1, count + 1, device=scores.device)
-    node_of[-1] = 0  # parents == -1 (the root) indexes the last slot
-    new_parents = node_of[parents[kept]]
-    if bool((new_parents < 0).any()):
+    count = min(count, len(scores))
+    kept = sorted(sorted(range(len(scores)), key=lambda i: -scores[i])[:count])  # candidate order keeps parents first
+    node_of = {candidate: node for node, candidate in enumerate(kept, start=1)}
+    node_of[-1] = 0
+    missing = [c for c in kept if parents[c] not in node_of]
+    if missing:
         raise RuntimeError("tree selection dropped an ancestor; scores must not increase with depth")
-    return kept, new_parents
+    return kept, [node_of[parents[c]] for c in kept]
 
 
 class Drafter(Protocol):

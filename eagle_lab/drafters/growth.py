@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_lab.decoding.tree import DraftTree, build_tree, select_best
+from eagle_lab.decoding.tree import DraftTree, best_nodes, tree_from_lists
 from eagle_lab.drafters.ngram import NgramProposer
 from eagle_lab.errors import EagleLabError
 
@@ -117,12 +117,16 @@ class TreeGrowth:
 
     def tree(self, root: int, total_tokens: int) -> tuple[DraftTree, Candidates]:
         """The best `total_tokens` candidates under `root`, and every candidate considered."""
-        device = self.frontier.device
-        candidates = Candidates(torch.cat(self.scores), torch.cat(self.parents), torch.cat(self.tokens))
-        kept, parents = select_best(candidates.scores, candidates.parents, total_tokens)
-        tokens = torch.cat([torch.tensor([root], device=device), candidates.tokens[kept]])
-        parents = torch.cat([torch.tensor([-1], device=device), parents])
-        return build_tree(tokens, parents), candidates
+        candidates = Candidates(_joined(self.scores), _joined(self.parents), _joined(self.tokens))
+        kept, parents = best_nodes(candidates.scores.tolist(), candidates.parents.tolist(), total_tokens)
+        token_ids = candidates.tokens.tolist()
+        tree = tree_from_lists([root] + [token_ids[c] for c in kept], [-1] + parents, self.frontier.device)
+        return tree, candidates
+
+
+def _joined(levels: list[torch.Tensor]) -> torch.Tensor:
+    """The levels' candidates in one tensor (a one-level tree's own tensor: no copy)."""
+    return levels[0] if len(levels) == 1 else torch.cat(levels)
 
 
 Expand = Callable[[int, torch.Tensor, "torch.Tensor | None", torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

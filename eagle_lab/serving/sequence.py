@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from eagle_lab.decoding.generate import GenerationStats, Stopper, _check_prompt, _ngram_counts
+from eagle_lab.decoding.generate import GenerationStats, Stopper, check_prompt, _ngram_counts
 from eagle_lab.decoding.sampling import SamplingParams, next_token
 from eagle_lab.decoding.static_rows import RowScore, StaticRows
 from eagle_lab.decoding.tree import DraftTree, Drafter, root_only_tree
@@ -74,7 +74,7 @@ class Sequence:
 
     @torch.no_grad()
     def prefill(self) -> list[int]:
-        _check_prompt(self.target, self.prompt_ids)
+        check_prompt(self.target, self.prompt_ids)
         if self.drafter is not None:
             self.drafter.reset()
         features, layers = self.rows.prefill(self.row, self.prompt_ids, self.layer_ids)  # (T, H), (T, F) or None

@@ -80,10 +80,14 @@ CALIBRATION_PROMPTS = (
 )
 
 
-def fit_search(search: TreeSearchConfig, backend) -> TreeSearchConfig:
+def fit_search(search: TreeSearchConfig, backend, max_context: int | None = None) -> TreeSearchConfig:
     """On a static backend, trees up to its largest bucket: larger ones would each compile a graph of
-    their own, and the recording's candidates do not depend on how many of them are kept."""
+    their own, and the recording's candidates do not depend on how many of them are kept. A target with
+    a short context (max_context) times its forwards after a prefix that leaves room for the largest tree."""
     buckets = getattr(backend, "buckets", None)
+    if max_context is not None:
+        room = max(buckets) if buckets else max(search.totals, default=1) + 1
+        search = replace(search, context=max(1, min(search.context, max_context - room)))
     if not buckets:
         return search
     cap = max(buckets)
@@ -235,7 +239,9 @@ def cost_model(summary: dict) -> CostModel:
 
 
 def calibration_prompts(target: Target) -> list[list[int]]:
-    return [encode_prompt(target.tokenizer, p, chat=True) for p in CALIBRATION_PROMPTS]
+    """The calibration prompts, each cut to half the target's context at most (room to decode after it)."""
+    keep = max(1, target.max_context // 2)
+    return [encode_prompt(target.tokenizer, p, chat=True)[:keep] for p in CALIBRATION_PROMPTS]
 
 
 CLOSE_CALL = 0.8  # a drafting row the model prices at this share of plain decoding or more is timed in the loop
@@ -299,7 +305,7 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
     each (`drafter.choices`, picked per request by `drafter.select`), sampled ones ranked by their
     expected accept lengths. The drafter is left with the first one's tree, which is returned."""
     ngram = drafter.ngram
-    search = fit_search(search or TreeSearchConfig(), backend)
+    search = fit_search(search or TreeSearchConfig(), backend, target.max_context)
     if backend is not None and getattr(backend, "buckets", None):
         drafter.max_tree_tokens = max(backend.buckets)  # n-gram chains cut to fit the largest compiled size
     summary, costs, path = calibration(target, drafter, fixed, prompts, search, cache_dir, backend, quick)

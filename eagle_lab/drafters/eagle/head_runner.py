@@ -77,11 +77,11 @@ class HeadStepRunner:
         # attention runs over [0, width); padding rows write to its last slot, past every row's own
         width = next(w for w in self.widths(cache.capacity) if w > start + rows) if bucket else start + rows
         scratch = width - 1
-        slots = torch.full((padded,), scratch, dtype=torch.long, device=tokens.device)
-        slots[:rows] = torch.arange(start, start + rows, device=tokens.device)
+        slots = torch.tensor([*range(start, start + rows), *[scratch] * (padded - rows)], device=tokens.device)
         allowed = torch.zeros(padded, width, dtype=torch.bool, device=tokens.device)
         allowed[:rows, :start + rows] = visible
-        allowed[rows:, scratch if bucket else 0] = True  # padding rows attend to something (no empty softmax)
+        if padded > rows:
+            allowed[rows:, scratch if bucket else 0] = True  # padding rows attend to something (no empty softmax)
         dtype = self.module.head.dtype  # head.draft_dtype: target features are cast to it
         features = features.to(dtype)
         mask = additive_mask(allowed, dtype)  # [padded, width]
