@@ -106,7 +106,7 @@ def run(raw: DictConfig) -> None:
                  f", n-gram share of accepted drafts {stats.ngram_share:.2f}" if stats.ngram_tree_tokens else "")
 
 
-COMPARE_RUNS = 3  # timed runs of each method for compare=true
+COMPARE_RUNS = 4  # timed runs of each method for compare=true
 
 
 def _compare(cfg: ServeConfig, target, drafter, backend, prompt, params: SamplingParams, shown: list[int]):

@@ -263,7 +263,7 @@ def test_no_loop_timing_when_the_model_ranks_plain_first_by_a_wide_margin(tiny_l
     monkeypatch.setattr(tree_validate, "decode_timings", no_timings)
     costs = CostModel({1: 10.0, 2: 20.0}, {1: 1.0}, 1.0, 0.0, 0.0, plain_ms=10.0)
     ranked = [{"shape": {"depth": 0, "topk": 0, "total_tokens": 0}, "tau": 1.0, "tokens_per_s": 100.0, "round_ms": 10.0},
-              {"shape": {"depth": 1, "topk": 1, "total_tokens": 1}, "tau": 1.4, "tokens_per_s": 66.7, "round_ms": 21.0}]
+              {"shape": {"depth": 1, "topk": 1, "total_tokens": 1}, "tau": 1.4, "tokens_per_s": 50.0, "round_ms": 28.0}]
     drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(4, 4, 12))
     summary, path = {}, tmp_path / "calibration.json"
     rows = validated(tiny_llama, drafter, summary, path, ranked, costs, TreeShape(0, 0, 0), [[1, 2, 3]],
@@ -271,7 +271,7 @@ def test_no_loop_timing_when_the_model_ranks_plain_first_by_a_wide_margin(tiny_l
     assert [r["shape"]["depth"] for r in rows] == [0] and rows[0]["timed"] is False
     assert json.loads(path.read_text())["validated"]["d0-k0-n0"] == rows  # cached like a timed ranking
     assert tree_validate.measured_best(rows, 1.2) is rows[0]
-    close = [ranked[0], {**ranked[1], "tokens_per_s": 90.0}]  # priced at 0.9 x plain: timed
+    close = [ranked[0], {**ranked[1], "tokens_per_s": 70.0}]  # priced at 0.7 x plain: timed
     with pytest.raises(AssertionError, match="decoded in the loop"):
         validated(tiny_llama, drafter, {}, path, close, costs, TreeShape(0, 0, 0), [[1, 2, 3]], TreeSearchConfig(), None)
     ranked[0], ranked[1] = ranked[1], ranked[0]  # a tree on top: it must be timed
@@ -280,8 +280,9 @@ def test_no_loop_timing_when_the_model_ranks_plain_first_by_a_wide_margin(tiny_l
 
 
 def test_a_quick_calibration_is_replaced_by_a_full_one(tiny_llama, tmp_path, monkeypatch):
-    """A short run calibrates quickly (no n-gram or loop timing, ranked by the model); a later full
-    run measures again and its calibration then serves short runs too."""
+    """A short run calibrates quickly (no n-gram-only timing; its shapes and candidates timed on one
+    prompt); a later full run measures again on every prompt and its calibration then serves short
+    runs too."""
     import eagle_lab.tree_search.auto as tree_auto
     import eagle_lab.tree_search.validate as tree_validate
 
@@ -290,16 +291,17 @@ def test_a_quick_calibration_is_replaced_by_a_full_one(tiny_llama, tmp_path, mon
     search = TreeSearchConfig(depths=[1, 2], topks=[1, 2], totals=[1, 2, 4], record_shape=(2, 2, 4),
                               probe_shape=(1, 2, 2), new_tokens=12, context=32)
     prompts = [[5, 6, 7, 8] * 5, list(range(70, 85))]
-    calls = {"calibrate": 0, "timings": 0, "timed_prompts": []}
+    calls = {"calibrate": 0, "timings": 0, "timed_prompts": [], "validated_prompts": []}
     real_calibrate, real_timings, real_rounds = tree_auto.calibrate, tree_validate.decode_timings, tree_auto.timed_rounds
 
     def counted_calibrate(*args, **kwargs):
         calls["calibrate"] += 1
         return real_calibrate(*args, **kwargs)
 
-    def counted_timings(*args, **kwargs):
+    def counted_timings(target, drafter, prompts, *args, **kwargs):
         calls["timings"] += 1
-        return real_timings(*args, **kwargs)
+        calls["validated_prompts"].append(len(prompts))
+        return real_timings(target, drafter, prompts, *args, **kwargs)
 
     def counted_rounds(target, drafter, prompts, *args, **kwargs):
         calls["timed_prompts"].append(len(prompts))
@@ -313,8 +315,10 @@ def test_a_quick_calibration_is_replaced_by_a_full_one(tiny_llama, tmp_path, mon
     [path] = tmp_path.glob("*.json")
     summary = json.loads(path.read_text())
     assert summary["quick"] and summary["cost_model"]["ngram_round_ms"] is None
-    assert calls == {"calibrate": 1, "timings": 0, "timed_prompts": [1, 1]}  # one prompt per timed shape
-    assert [r["timed"] for r in summary["validated"]["d0-k0-n0"]] == [False]
+    assert calls["calibrate"] == 1 and calls["timed_prompts"] == [1, 1]  # one prompt per timed shape
+    quick_rows = summary["validated"]["d0-k0-n0"]
+    quick_timed = all(r.get("timed", True) for r in quick_rows)  # untimed only where plain won by a wide margin
+    assert calls["validated_prompts"] == ([1] if quick_timed else []) and (quick_timed or len(quick_rows) == 1)
     drafter.ngram = proposer  # auto_tree replaces it with the chosen chain (or none)
     auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path, quick=True)
     assert calls["calibrate"] == 1  # the quick one serves short runs
@@ -324,7 +328,8 @@ def test_a_quick_calibration_is_replaced_by_a_full_one(tiny_llama, tmp_path, mon
     assert calls["calibrate"] == 2 and not summary["quick"] and calls["timed_prompts"][2:] == [2, 2]
     rows = summary["validated"]["d0-k0-n0"]
     timed_in_loop = all(r.get("timed", True) for r in rows)  # untimed only where the model ranked plain first
-    assert calls["timings"] == int(timed_in_loop) and (timed_in_loop or len(rows) == 1)
+    assert calls["validated_prompts"][int(quick_timed):] == ([2] if timed_in_loop else [])
+    assert timed_in_loop or len(rows) == 1
     drafter.ngram = proposer  # auto_tree replaces it with the chosen chain (or none)
     auto_tree(tiny_llama, drafter, TreeShape(0, 0, 0), prompts, search, cache_dir=tmp_path, quick=True)
     assert calls["calibrate"] == 2  # the full one serves short runs too
@@ -435,3 +440,20 @@ def test_a_target_with_a_short_context_calibrates(tmp_path):
     assert shape.depth in (0, 1, 2)
     [path] = tmp_path.glob("*.json")
     assert json.loads(path.read_text())["rounds"] > 0
+
+
+def test_the_best_head_tree_is_timed_even_when_the_model_ranks_it_low():
+    """Three n-gram rows and plain decoding top the model's ranking: the best row that runs the head is
+    timed beside them (and plain decoding is among the candidates once)."""
+    from eagle_lab.tree_search.validate import VALIDATE_TOP, candidates_to_time
+
+    def row(depth, chain, speed):
+        return {"shape": {"depth": depth, "topk": depth, "total_tokens": depth}, "ngram_tokens": chain,
+                "tau": 1.0, "tokens_per_s": speed}
+
+    ranked = [row(0, 0, 200), row(0, 2, 199), row(0, 3, 198), row(0, 4, 197), row(2, 0, 160), row(1, 0, 150)]
+    rows = candidates_to_time(ranked, TreeShape(0, 0, 0))
+    assert [(r["shape"]["depth"], r["ngram_tokens"]) for r in rows] == [(0, 0), (0, 2), (0, 3), (2, 0)]
+    head_first = [row(1, 0, 210), *ranked[1:]]  # a head tree on top, plain decoding not among the best three
+    rows = candidates_to_time(head_first, TreeShape(0, 0, 0))
+    assert len(rows) == VALIDATE_TOP + 1 and rows[-1]["shape"]["depth"] == 0 and not rows[-1].get("ngram_tokens")

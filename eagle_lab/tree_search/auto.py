@@ -23,9 +23,9 @@ same loop with the head switched off), not by a model. The per-round overhead of
 (verification, cache compaction, bookkeeping) is fitted as a line in the tree size through
 two timed shapes, the recording's and a small probe.
 A quick calibration, for a short run on a device not yet calibrated (`tree.quick_below_tokens`),
-stops after the cost curve, the recording and the two timed shapes (on one prompt), and ranks
-by the model alone: about a minute on a 2-core CPU instead of four; the next long run (a bench,
-the server, a long prompts file) replaces it with the full calibration.
+times the two shapes and the best few in the loop on one prompt each, and skips the n-gram-only
+rounds: about a minute on a 2-core CPU instead of four; the next long run (a bench, the server, a
+long prompts file) replaces it with the full calibration.
 The result is cached per target, head, device and dtype. Fixed `tree.depth/topk/total_tokens`
 values (non-zero) are kept; only the free ones are searched.
 
@@ -71,7 +71,8 @@ ROUND_CODE = (*TARGET_STEP_SOURCES, *HEAD_STEP_SOURCES, *KERNEL_SOURCES, "decodi
               "decoding/generate.py",
               "decoding/verify.py", "decoding/backend.py", "decoding/scoring.py", "decoding/static_cache.py",
               "drafters/eagle/drafter.py",
-              "drafters/growth.py", "drafters/ngram.py")
+              "drafters/growth.py", "drafters/ngram.py",
+              "tree_search/auto.py", "tree_search/costs.py", "tree_search/validate.py")  # and what measures it
 CALIBRATION_PROMPTS = (
     "Explain how a hash table works, with an example in Python.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -136,7 +137,7 @@ def choose(shapes: list[dict], costs: CostModel, fixed: TreeShape,
 def calibration_fingerprint(target: Target, drafter: EagleDrafter, search: TreeSearchConfig,
                             ngram: NgramProposer | None = None, backend=None) -> str:
     """A digest of what tree=auto's timings depend on: target, head, device, dtype, threads, backend, and the
-    code that runs a round (a change there may move its costs, so it is timed again, not reused)."""
+    code that runs a round or times it (a change there may move its costs, so it is timed again, not reused)."""
     head = drafter.head
     weights = float(sum(p.detach().float().abs().sum() for p in head.parameters()))
     fields = {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
@@ -244,7 +245,7 @@ def calibration_prompts(target: Target) -> list[list[int]]:
     return [encode_prompt(target.tokenizer, p, chat=True)[:keep] for p in CALIBRATION_PROMPTS]
 
 
-CLOSE_CALL = 0.8  # a drafting row the model prices at this share of plain decoding or more is timed in the loop
+CLOSE_CALL = 0.6  # a drafting row the model prices at this share of plain decoding or more is timed in the loop
 
 
 def _close_call(ranked: list[dict]) -> bool:
@@ -260,18 +261,15 @@ def validated(target: Target, drafter: EagleDrafter, summary: dict, path: Path, 
               fixed: TreeShape, prompts: list[list[int]] | None, search: TreeSearchConfig,
               ngram: NgramProposer | None, backend=None, temperature: float = 0.0) -> list[dict]:
     """validate()'s ranking for these fixed fields and this temperature: read from the calibration
-    file, else timed once (sampling at `temperature` when > 0) and added to it; after a quick
-    calibration, or when the model ranks plain decoding first by a wide margin (_close_call), the model's
+    file, else timed once (sampling at `temperature` when > 0) and added to it (on one prompt after a quick
+    calibration); when the model ranks plain decoding first by a wide margin (_close_call), the model's
     first row stands untimed."""
     key = f"d{fixed.depth}-k{fixed.topk}-n{fixed.total_tokens}" + (f"-T{temperature:g}" if temperature > 0 else "")
     done = summary.setdefault("validated", {})
     if key in done:
         return done[key]
     sampling = f" at T={temperature:g}" if temperature > 0 else ""
-    if summary.get("quick"):
-        log.info("tree=auto%s: quick calibration, so the model's ranking decides (no timing in the loop)", sampling)
-        done[key] = [untimed(ranked[0])]
-    elif is_plain(ranked[0]) and not _close_call(ranked):
+    if is_plain(ranked[0]) and not _close_call(ranked):
         drafting = next((r for r in ranked if not is_plain(r)), None)
         log.info("tree=auto [last step]%s: skipped: the cost model prices decoding without drafts first (%.1f tok/s; "
                  "its best drafting row %s, under %.2f x), so no tree is timed in the loop", sampling,
@@ -280,8 +278,10 @@ def validated(target: Target, drafter: EagleDrafter, summary: dict, path: Path, 
         done[key] = [untimed(ranked[0])]
     else:
         prompts = prompts if prompts is not None else calibration_prompts(target)
-        log.info("tree=auto [last step]%s: timing the model's %d best shapes against plain decoding in the loop "
-                 "(%d prompts x %d tokens each)", sampling, VALIDATE_TOP, len(prompts), search.validate_new_tokens)
+        prompts = prompts[:1] if summary.get("quick") else prompts  # a quick calibration: seconds, not a minute
+        log.info("tree=auto [last step]%s: timing the model's %d best shapes (and its best head tree) against "
+                 "plain decoding in the loop (%d prompts x %d tokens each)", sampling, VALIDATE_TOP, len(prompts),
+                 search.validate_new_tokens)
         done[key] = validate(target, drafter, ranked, costs, fixed, prompts, search, ngram, backend,
                              SamplingParams(temperature))
     path.write_text(json.dumps(summary, indent=2))

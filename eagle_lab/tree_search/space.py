@@ -40,6 +40,6 @@ class TreeConfig:
     min_gain: float = 1.0
     batch_min_gain: float = 1.2
     # on a device not calibrated yet, a run planned to decode fewer tokens than this (prompts x
-    # max_new_tokens) calibrates quickly (about a minute on a 2-core CPU, ranked by the cost model
-    # alone) instead of in full (about four, timed in the loop); 0: always in full
+    # max_new_tokens) calibrates quickly (about a minute on a 2-core CPU, its candidates timed on one
+    # prompt) instead of in full (about four, on all the calibration prompts); 0: always in full
     quick_below_tokens: int = 2048

@@ -61,6 +61,17 @@ def with_plain(rows: list[dict], fixed: TreeShape) -> list[dict]:
     return rows
 
 
+def candidates_to_time(ranked: list[dict], fixed: TreeShape) -> list[dict]:
+    """The model's VALIDATE_TOP best rows, the best row that runs the head when none of those does (n-gram
+    rows and plain decoding are priced from timed rounds, head trees from their parts, so the model can
+    rank every head tree below them on a machine whose speed drifted while the parts were timed), and
+    plain decoding (with_plain)."""
+    rows = ranked[:VALIDATE_TOP]
+    if not any(r["shape"]["depth"] > 0 for r in rows):
+        rows = rows + [r for r in ranked[VALIDATE_TOP:] if r["shape"]["depth"] > 0][:1]
+    return with_plain(rows, fixed)
+
+
 def is_plain(row: dict) -> bool:
     return row["shape"]["depth"] == 0 and not row.get("ngram_tokens")
 
@@ -88,13 +99,13 @@ def measured_best(rows: list[dict], min_gain: float = 1.0) -> dict:
 def validate(target: Target, drafter: EagleDrafter, ranked: list[dict], costs: CostModel, fixed: TreeShape,
              prompts: list[list[int]], search: TreeSearchConfig, ngram: NgramProposer | None,
              backend=None, params: SamplingParams = SamplingParams()) -> list[dict]:
-    """The model's best VALIDATE_TOP rows, timed in the decoding loop and re-ranked by measured
+    """The model's best rows (candidates_to_time), timed in the decoding loop and re-ranked by measured
     tokens/s (tokens over seconds, as the benchmark measures it), with plain decoding timed in
     the same interleaved runs when the fixed fields allow it. The model prices each part of a
     round on its own; on a CPU a small tree's round can cost more than its parts add up to, so
     the model may rank a tree above plain decoding that is slower in the loop; the measured
     ranking decides. params: the sampling the rows were ranked for (their tau is its expectation)."""
-    rows = with_plain(ranked[:VALIDATE_TOP], fixed)
+    rows = candidates_to_time(ranked, fixed)
     candidates = []
     for row in rows:
         chain = int(row.get("ngram_tokens", 0))
