@@ -29,7 +29,7 @@ from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache, draft_lm_head_
 from eagle_lab.drafters.eagle.head_runner import HeadStepRunner
 from eagle_lab.drafters.growth import Candidates, TreeChoice, TreeGrowth, TreeShape, grow_dynamic_tree
 from eagle_lab.drafters.ngram import NgramProposer, merge_chain
-from eagle_lab.models.target import Target, causal_mask
+from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +180,8 @@ class EagleDrafter:
         and draft ids of at least the last pair, which comes last ([<= P, k])."""
         self.cache.crop(self.committed)  # forget last round's frontier entries
         count = new_features.shape[0]
-        device = sequence.device
-        visible = torch.ones(count, self.committed + count, dtype=torch.bool, device=device)
-        visible[:, self.committed:] = causal_mask(count, device)
-        positions = torch.arange(self.committed, self.committed + count, device=device)
-        out = self.runner(self.cache, sequence[-count:], new_features, positions, visible, k, from_draft=False,
+        # positions committed .. committed + count - 1, each pair seeing the committed ones and itself causally
+        out = self.runner(self.cache, sequence[-count:], new_features, None, None, k, from_draft=False,
                           last_only=True)
         self.committed += count
         return out

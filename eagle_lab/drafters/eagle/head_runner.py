@@ -12,6 +12,7 @@ proposals only: their numerics never touch exactness.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -64,10 +65,11 @@ class HeadStepRunner:
     @torch.no_grad()
     def __call__(self, cache: HeadKVCache, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                  visible: torch.Tensor, k: int, from_draft: bool, last_only: bool = False):
-        """tokens, positions [T]; features [T, F]; visible [T, cache.length + T] bool: which of the filled
-        slots and of these rows each row attends to. The rows go to slots length .. length + T, and the
-        cache's length moves past them. -> hidden [T, H], top-k log-probs [T, k], top-k draft ids [T, k]
-        (last_only: the top-k of at least the last row, which comes last)."""
+        """tokens [T]; features [T, F]; positions [T], or None for length .. length + T - 1; visible
+        [T, cache.length + T] bool: which of the filled slots and of these rows each row attends to, or None
+        for all the filled ones and causally among these (a commit of new pairs). The rows go to slots
+        length .. length + T, and the cache's length moves past them. -> hidden [T, H], top-k log-probs
+        [T, k], top-k draft ids [T, k] (last_only: the top-k of at least the last row, which comes last)."""
         rows, start = tokens.shape[0], cache.length
         if self.compiled and rows > self.buckets[-1]:
             return self._in_chunks(cache, tokens, features, positions, visible, k, from_draft, last_only)
@@ -77,11 +79,17 @@ class HeadStepRunner:
         # attention runs over [0, width); padding rows write to its last slot, past every row's own
         width = next(w for w in self.widths(cache.capacity) if w > start + rows) if bucket else start + rows
         scratch = width - 1
-        slots = torch.tensor([*range(start, start + rows), *[scratch] * (padded - rows)], device=tokens.device)
-        allowed = torch.zeros(padded, width, dtype=torch.bool, device=tokens.device)
-        allowed[:rows, :start + rows] = visible
-        if padded > rows:
-            allowed[rows:, scratch if bucket else 0] = True  # padding rows attend to something (no empty softmax)
+        device = tokens.device
+        slots = torch.tensor([*range(start, start + rows), *[scratch] * (padded - rows)], device=device)
+        if visible is None:  # row i sees slots [0, start + i]; a padding row sees more, never a real row's output
+            allowed = _columns(width, device)[None, :] <= torch.arange(start, start + padded, device=device)[:, None]
+        else:
+            allowed = torch.zeros(padded, width, dtype=torch.bool, device=device)
+            allowed[:rows, :start + rows] = visible
+            if padded > rows:
+                allowed[rows:, scratch if bucket else 0] = True  # padding rows attend to something (no empty softmax)
+        if positions is None:
+            positions = torch.arange(start, start + padded, device=device)  # padding rows' positions are unread
         dtype = self.module.head.dtype  # head.draft_dtype: target features are cast to it
         features = features.to(dtype)
         mask = additive_mask(allowed, dtype)  # [padded, width]
@@ -101,8 +109,9 @@ class HeadStepRunner:
         hidden, top_logp, top_ids = [], [], []
         for first in range(0, tokens.shape[0], size):
             last = min(first + size, tokens.shape[0])
-            out = self(cache, tokens[first:last], features[first:last], positions[first:last],
-                       visible[first:last, :start + last], k, from_draft)
+            out = self(cache, tokens[first:last], features[first:last],
+                       None if positions is None else positions[first:last],
+                       None if visible is None else visible[first:last, :start + last], k, from_draft)
             hidden.append(out[0])
             if not last_only or last == tokens.shape[0]:
                 top_logp.append(out[1])
@@ -143,6 +152,12 @@ class HeadStepRunner:
                       else self.store.load(store_key, bound))
             self._graphs[(padded, width, step_k, from_draft, stride)] = (
                 None if runner is None else (lambda a, runner=runner: tuple(runner(*a[:7]))))
+
+
+@functools.lru_cache(maxsize=16)
+def _columns(width: int, device: torch.device) -> torch.Tensor:
+    """[width] slot indices 0 .. width - 1 (read only)."""
+    return torch.arange(width, device=device)
 
 
 def _pad(tensor: torch.Tensor, rows: int) -> torch.Tensor:
