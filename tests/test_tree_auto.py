@@ -122,7 +122,7 @@ def test_timing_in_the_loop_overrules_the_model(tiny_llama, monkeypatch):
     assert [r["shape"]["depth"] for r in fixed] == [1] and timed[-1] == [1]  # a fixed depth never falls back
 
 
-def test_decode_timings_visit_every_prompt_with_every_candidate_in_rotating_order(tiny_llama, monkeypatch):
+def test_decode_timings_visit_every_prompt_with_every_candidate_twice_in_rotating_order(tiny_llama, monkeypatch):
     import eagle_lab.tree_search.validate as tree_validate
 
     drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(4, 4, 12))
@@ -136,7 +136,8 @@ def test_decode_timings_visit_every_prompt_with_every_candidate_in_rotating_orde
     monkeypatch.setattr(tree_validate, "speculative_decode", spy)
     candidates = [(TreeShape(2, 2, 4), None), (TreeShape(1, 1, 1), None)]
     timings = decode_timings(tiny_llama, drafter, [list(range(40, 50)), list(range(60, 70))], 6, candidates)
-    assert order == [(40, 2), (40, 1), (60, 1), (60, 2)]  # the second prompt starts with the second candidate
+    # each prompt twice (the faster run counts), the order rotated from run to run and prompt to prompt
+    assert order == [(40, 2), (40, 1), (40, 1), (40, 2), (60, 1), (60, 2), (60, 2), (60, 1)]
     assert timings[0]["tokens"] == timings[1]["tokens"] > 0  # the same greedy output, prefills not counted
     assert all(t["rounds"] >= 1 and t["seconds"] > 0 for t in timings)
     assert drafter.shape == TreeShape(4, 4, 12)  # restored
