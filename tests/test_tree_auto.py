@@ -458,3 +458,15 @@ def test_the_best_head_tree_is_timed_even_when_the_model_ranks_it_low():
     head_first = [row(1, 0, 210), *ranked[1:]]  # a head tree on top, plain decoding not among the best three
     rows = candidates_to_time(head_first, TreeShape(0, 0, 0))
     assert len(rows) == VALIDATE_TOP + 1 and rows[-1]["shape"]["depth"] == 0 and not rows[-1].get("ngram_tokens")
+
+
+def test_calibrations_key_on_code_not_on_its_prose():
+    """tree=auto's cached timings name the round's code through python_code: a docstring, a comment or a
+    blank line changes nothing, a changed statement does."""
+    from eagle_lab.decoding.graph_store import python_code
+
+    base = 'def f(x):\n    """Add one."""\n    return x + 1\n'
+    prose = 'def f(x):\n    """Add one to x (a new docstring)."""\n\n    # a comment\n    return x + 1\n'
+    code = 'def f(x):\n    """Add one."""\n    return x + 2\n'
+    assert python_code(base) == python_code(prose)
+    assert python_code(base) != python_code(code)

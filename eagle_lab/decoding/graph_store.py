@@ -31,6 +31,7 @@ which is then the time it was last used, and `python -m eagle_lab.decoding.graph
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import logging
@@ -69,6 +70,32 @@ def source_digest(sources: tuple[str, ...]) -> str:
             raise FileNotFoundError(f"a step's source list names {relative}, which is not in {package}")
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def code_digest(sources: tuple[str, ...]) -> str:
+    """source_digest of the code alone: Python files are read through `ast`, without docstrings, comments
+    or layout, so an edit to the prose keeps what was measured with the code (tree=auto's calibrations)
+    valid. Other files (the C++ kernels) count byte for byte."""
+    digest = hashlib.sha1()
+    package = Path(__file__).resolve().parent.parent
+    for relative in sources:
+        path = package / relative
+        if not path.is_file():
+            raise FileNotFoundError(f"a source list names {relative}, which is not in {package}")
+        digest.update(python_code(path.read_text()).encode() if path.suffix == ".py" else path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def python_code(text: str) -> str:
+    """Python source as its syntax tree, without docstrings (ast drops comments and layout)."""
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def environment() -> dict:

@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle_lab.decoding.graph_store import source_digest
+from eagle_lab.decoding.graph_store import code_digest
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
@@ -127,6 +127,6 @@ def _choice_path(target: Target, drafter: EagleDrafter, rows: StaticRows, sizes:
            drafter.ngram.max_tokens if drafter.ngram is not None else None]
     fields = {"calibration": calibration_fingerprint(target, drafter, TreeSearchConfig(), drafter.ngram, rows.backend),
               "trees": trees or [own], "sizes": sizes, "rows": [len(rows.rows), rows.capacity, rows.backend.name],
-              "new_tokens": new_tokens, "min_gain": min_gain, "round": source_digest(ROUND_SOURCES)}
+              "new_tokens": new_tokens, "min_gain": min_gain, "round": code_digest(ROUND_SOURCES)}
     blob = json.dumps(fields, sort_keys=True, default=str)
     return cache_root() / "tree_auto" / f"{target.name}-rows-{hashlib.sha1(blob.encode()).hexdigest()[:16]}.json"

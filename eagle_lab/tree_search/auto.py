@@ -26,7 +26,8 @@ A quick calibration, for a short run on a device not yet calibrated (`tree.quick
 times the two shapes and the best few in the loop on one prompt each, and skips the n-gram-only
 rounds: about a minute on a 2-core CPU instead of four; the next long run (a bench, the server, a
 long prompts file) replaces it with the full calibration.
-The result is cached per target, head, device and dtype. Fixed `tree.depth/topk/total_tokens`
+The result is cached per target, head, device, dtype and the code that runs and times a round (its
+syntax, not its docstrings: calibration_fingerprint). Fixed `tree.depth/topk/total_tokens`
 values (non-zero) are kept; only the free ones are searched.
 
 Hybrid drafting (the drafter has an n-gram proposer): the recording also keeps each round's
@@ -48,7 +49,7 @@ from pathlib import Path
 import torch
 
 from eagle_lab.decoding.compiled import KERNEL_SOURCES, STEP_SOURCES as TARGET_STEP_SOURCES
-from eagle_lab.decoding.graph_store import source_digest
+from eagle_lab.decoding.graph_store import code_digest
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.head_step import STEP_SOURCES as HEAD_STEP_SOURCES
 from eagle_lab.drafters.growth import TreeChoice, TreeShape
@@ -145,7 +146,7 @@ def calibration_fingerprint(target: Target, drafter: EagleDrafter, search: TreeS
               "threads": torch.get_num_threads(),  # every cost scales with them
               "head": asdict(head.arch), "weights": round(weights, 3), "search": asdict(search),
               "head_storage": getattr(head.fc, "storage", str(head.dtype)),
-              "code": source_digest(ROUND_CODE)}
+              "code": code_digest(ROUND_CODE)}
     if backend is not None and getattr(backend, "name", "eager") != "eager":  # costs differ per backend
         fields["backend"] = {"name": backend.name, "buckets": list(getattr(backend, "buckets", [])),
                              "target_costs": "per bucket",

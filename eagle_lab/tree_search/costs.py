@@ -111,8 +111,7 @@ def measure_target_costs(target: Target, context: int, grid=K_GRID, backend: Bac
     each bucket is timed, `reps` times in turns with the others so a drift in the machine's speed falls
     on all alike, and its median given to every size it holds (timed size by size, neighbours in one
     bucket differed by up to 1.5x on a drifting 2-core CPU). Each timed call follows an untimed one of
-    the same bucket, as a decoding loop calls one package round after round: timed straight after another
-    bucket's package, a 1- or 2-token forward cost 1.3-1.5 ms more than a plain decoding step does."""
+    the same bucket, as a decoding loop calls one package round after round."""
     backend = backend or EagerBackend(target)
     largest = largest_tree(backend, max(grid))
     buckets = sorted(getattr(backend, "buckets", None) or [])
