@@ -95,7 +95,7 @@ def test_tree_auto_calibrations_are_taken_again_when_the_round_code_changes(tiny
     drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(2, 2, 3))
     before = calibration_fingerprint(tiny_llama, drafter, TreeSearchConfig())
     assert before == calibration_fingerprint(tiny_llama, drafter, TreeSearchConfig())
-    monkeypatch.setattr(auto, "source_digest", lambda sources: "an edited round")
+    monkeypatch.setattr(auto, "code_digest", lambda sources: "an edited round")
     assert calibration_fingerprint(tiny_llama, drafter, TreeSearchConfig()) != before
 
 
