@@ -133,7 +133,8 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
     tree=auto chooses a tree for each (EagleDrafter.select picks one per request).
     """
     fixed = TreeShape(tree.depth, tree.topk, tree.total_tokens)
-    for key, gain in (("min_gain", tree.min_gain), ("batch_min_gain", tree.batch_min_gain)):
+    for key, gain in (("min_gain", tree.min_gain), ("sampled_min_gain", tree.sampled_min_gain),
+                      ("batch_min_gain", tree.batch_min_gain)):
         if gain < 1.0:
             raise EagleLabError(f"tree.{key} must be >= 1 (how much faster than plain decoding a tree must time "
                                 f"to be used); got {gain}")
@@ -148,7 +149,8 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
         return drafter
     drafter = eagle_drafter(head, target, TreeShape(4, 4, 12), ngram, backend)
     quick = planned_tokens is not None and planned_tokens < tree.quick_below_tokens
-    auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend, quick=quick, temperatures=temperatures)
+    auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend, quick=quick, temperatures=temperatures,
+              sampled_min_gain=tree.sampled_min_gain)
     return drafter
 
 

@@ -151,6 +151,7 @@ def bad_inputs(tmp: Path, heads: Path) -> dict[str, tuple[list[str], str]]:
         "draft model path not a model": (["method=draft_model", f"draft_model.path={tmp}"], "not a model directory"),
         "tree min_gain below one": (["tree.min_gain=0.5"], "tree.min_gain"),
         "tree batch_min_gain below one": (["tree.batch_min_gain=0.9"], "tree.batch_min_gain"),
+        "tree sampled_min_gain below one": (["tree.sampled_min_gain=0.9"], "tree.sampled_min_gain"),
     }
 
 

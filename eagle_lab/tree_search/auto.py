@@ -292,10 +292,11 @@ def validated(target: Target, drafter: EagleDrafter, summary: dict, path: Path, 
 def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: list[list[int]] | None = None,
               search: TreeSearchConfig | None = None, cache_dir: Path | None = None,
               min_gain: float = 1.0, backend=None, quick: bool = False,
-              temperatures: Sequence[float] = (0.0,)) -> TreeShape:
+              temperatures: Sequence[float] = (0.0,), sampled_min_gain: float = 1.0) -> TreeShape:
     """The fastest shape for this target, head and device (measured once, cached); sets it
     on the drafter. fixed: non-zero fields are kept as given. min_gain: a tree must beat plain
-    decoding's timed tokens/s by this factor (validate.measured_best). quick: a quick calibration
+    decoding's timed tokens/s by this factor (validate.measured_best); sampled_min_gain: by at least
+    this one when sampling (T > 0). quick: a quick calibration
     will do when none is cached (a short run).
 
     With an n-gram proposer on the drafter (hybrid drafting), its chain length is chosen too
@@ -317,8 +318,9 @@ def auto_tree(target: Target, drafter: EagleDrafter, fixed: TreeShape, prompts: 
         _, ranked = choose(summary["shapes"], costs, fixed, temperature)
         measured = validated(target, drafter, summary, path, ranked, costs, fixed, prompts, search, ngram, backend,
                              temperature)
-        best = measured_best(measured, min_gain)
-        log_choice(best, measured, ranked, costs, path, min_gain, ngram is not None, temperature, target.device)
+        gain = min_gain if temperature == 0 else max(min_gain, sampled_min_gain)
+        best = measured_best(measured, gain)
+        log_choice(best, measured, ranked, costs, path, gain, ngram is not None, temperature, target.device)
         chain = int(best.get("ngram_tokens", 0))
         choices.append(TreeChoice(temperature, TreeShape(**best["shape"]),
                                   replace(ngram, max_tokens=chain) if ngram is not None and chain else None))
@@ -333,7 +335,7 @@ def log_choice(best: dict, measured: list[dict], ranked: list[dict], costs: Cost
     at = f" for T={temperature:g}" if temperature > 0 else ""
     plain = next((r for r in measured if is_plain(r)), None)
     if best is not measured[0]:
-        log.info("tree=auto%s: the fastest tree timed %.1f tok/s, less than tree.min_gain=%.2f x plain decoding's "
+        log.info("tree=auto%s: the fastest tree timed %.1f tok/s, less than the margin %.2f x plain decoding's "
                  "%.1f: decoding without drafts", at, measured[0]["measured_tokens_per_s"], min_gain,
                  plain["measured_tokens_per_s"])
     first = next(r for r in measured if r["shape"] == ranked[0]["shape"]

@@ -39,6 +39,9 @@ class TreeConfig:
     # calibration prompts overrated trees (docs/design-batching.md, "A tree per batch size"); at batch 1
     # a small margin, so that a tie within the timings' noise keeps plain decoding
     min_gain: float = 1.03
+    # the margin at batch 1 when sampling (T > 0): the few calibration prompts overrated a tree at T=1 (1.06x
+    # timed on them, 0.94x on 80 MT-bench prompts; docs/design-tree-search.md)
+    sampled_min_gain: float = 1.1
     batch_min_gain: float = 1.2
     # on a device not calibrated yet, a run planned to decode fewer tokens than this (prompts x
     # max_new_tokens) calibrates quickly (about a minute on a 2-core CPU, its candidates timed on one
