@@ -62,27 +62,26 @@ BUILD_VERSION = 1
 def source_digest(sources: tuple[str, ...]) -> str:
     """A digest of eagle_lab's source files `sources` (paths under eagle_lab/): for a package, the code that defines
     its exported step, so a change there invalidates that step's packages, and only those."""
-    digest = hashlib.sha1()
-    package = Path(__file__).resolve().parent.parent
-    for relative in sources:
-        path = package / relative
-        if not path.is_file():
-            raise FileNotFoundError(f"a step's source list names {relative}, which is not in {package}")
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    return _digest(sources, lambda path: path.read_bytes())
 
 
 def code_digest(sources: tuple[str, ...]) -> str:
     """source_digest of the code alone: Python files are read through `ast`, without docstrings, comments
     or layout, so an edit to the prose keeps what was measured with the code (tree=auto's calibrations)
     valid. Other files (the C++ kernels) count byte for byte."""
+    return _digest(sources, lambda path: python_code(path.read_text()).encode() if path.suffix == ".py"
+                   else path.read_bytes())
+
+
+def _digest(sources: tuple[str, ...], read) -> str:
+    """sha1 over read(path) of each source (paths under eagle_lab/), in order; 16 hex digits."""
     digest = hashlib.sha1()
     package = Path(__file__).resolve().parent.parent
     for relative in sources:
         path = package / relative
         if not path.is_file():
             raise FileNotFoundError(f"a source list names {relative}, which is not in {package}")
-        digest.update(python_code(path.read_text()).encode() if path.suffix == ".py" else path.read_bytes())
+        digest.update(read(path))
     return digest.hexdigest()[:16]
 
 
