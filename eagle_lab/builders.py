@@ -12,7 +12,7 @@ import torch
 from eagle_lab.drafters.card import read_card
 from eagle_lab.config import HeadConfig, MedusaConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
-from eagle_lab.models.device import cpu_flags, drafting_dtype
+from eagle_lab.models.device import drafting_dtype
 from eagle_lab.decoding.tree import Drafter
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.growth import TreeShape, untuned_shape
@@ -27,7 +27,7 @@ from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.eagle.layouts import load_head
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.decoding.sampling import SamplingParams
-from eagle_lab.models.stable_linear import FORMATS, convert_module_linears
+from eagle_lab.models.stable_linear import FORMATS, convert_module_linears, integer_dot_products
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.tree_search.auto import auto_tree
 
@@ -74,14 +74,15 @@ HEAD_WEIGHTS = ("fp32", "bf16", "w8a8", "w4a8")  # target.weights names a head m
 
 def head_storage(cfg: HeadConfig) -> str:
     """head.draft_weights as a row-stable kernel storage. auto follows head.draft_dtype when it is set (float32:
-    fp32 panels, bfloat16: bf16 panels); with both auto: w8a8 on CPUs with AVX512-VNNI (a draft level reads 0.6x
-    the bytes of bf16 panels: 0.25 ms less per level, same tau, on the packaged SmolLM2 head), else bf16 panels."""
+    fp32 panels, bfloat16: bf16 panels); with both auto: w8a8 on CPUs with integer dot products (AVX512-VNNI or
+    AVX2; a draft level reads 0.6x the bytes of bf16 panels: 0.25 ms less per level, same tau, on the packaged
+    SmolLM2 head), else bf16 panels."""
     if cfg.draft_weights == "auto":
         if cfg.draft_dtype in ("float32", "fp32"):
             return "f32"
         if cfg.draft_dtype != "auto":
             return "bf16"
-        return "q8_0x8" if "avx512_vnni" in cpu_flags() else "bf16"
+        return "q8_0x8" if integer_dot_products() else "bf16"
     if cfg.draft_weights not in HEAD_WEIGHTS:
         raise EagleLabError(f"head.draft_weights must be auto or one of {', '.join(HEAD_WEIGHTS)}, "
                             f"got '{cfg.draft_weights}'")

@@ -125,6 +125,19 @@ def test_the_library_is_keyed_by_what_its_code_depends_on(monkeypatch):
     assert library_path("stable_linear") != here  # and so does another CPU
 
 
+def test_the_library_key_reads_the_headers_its_source_includes(monkeypatch, tmp_path):
+    import shutil
+
+    from eagle_lab.models import native
+
+    copy = tmp_path / "kernels"
+    shutil.copytree(native.SOURCE_DIR, copy)
+    monkeypatch.setattr(native, "SOURCE_DIR", copy)
+    before = library_path("stable_linear")
+    (copy / "simd.h").write_text((copy / "simd.h").read_text() + "\n// an edit\n")
+    assert library_path("stable_linear") != before
+
+
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_projections_give_bitwise_what_the_separate_layers_give(storage, bias):
@@ -162,12 +175,14 @@ def test_load_target_converts_every_linear_and_keeps_the_lm_head_tied(weights):
 
 
 def test_auto_weights_are_the_embedded_ggufs_precision_and_fp32_otherwise(monkeypatch):
-    from eagle_lab.models import target as target_module
+    from eagle_lab.models import stable_linear
     from eagle_lab.models.target import shipped_weights
 
-    monkeypatch.setattr(target_module, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
+    monkeypatch.setattr(stable_linear, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
     assert shipped_weights(TargetConfig(source="embedded", device="cpu")) == "w4a8"
-    monkeypatch.setattr(target_module, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(stable_linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # vpmaddubsw: still w4a8
+    assert shipped_weights(TargetConfig(source="embedded", device="cpu")) == "w4a8"
+    monkeypatch.setattr(stable_linear, "cpu_flags", lambda: frozenset({"sse2"}))  # no integer dot products
     assert shipped_weights(TargetConfig(source="embedded", device="cpu")) == "int4"
     assert shipped_weights(TargetConfig(name="tiny_llama", source="tiny", device="cpu")) == "fp32"
     assert shipped_weights(TargetConfig(source="embedded", device="cpu", dtype="bfloat16")) == "fp32"

@@ -1,11 +1,14 @@
 """Two versions of the row-stable linear kernel side by side, in one process:
-python -m eagle_lab.benchmark.kernel_ab [against=GIT_REV|FILE.cpp] [kernels=q4_1x8,q8_0x8] [rows=1,2,4,8]
-    [layers=30] [passes=25]
+python -m eagle_lab.benchmark.kernel_ab [against=GIT_REV|FILE.cpp] [march=native] [kernels=q4_1x8,q8_0x8]
+    [rows=1,2,4,8] [layers=30] [passes=25]
 
 `against` (default HEAD) is built under an op namespace of its own (models/native.load_variant) beside the working
 tree's kernel, and the two run the target's linear stack (benchmark/gemm_rows.py) in turns, pass after pass, so that
 a drift in the machine's speed falls on both alike: on a 2-core VM separate processes drifted by up to 30%, more than
 the effects measured.
+`march` builds `against` for another instruction set (`x86-64-v3`: AVX2 and FMA; `x86-64-v4`: AVX-512 without
+VNNI): against=WORKTREE's own file then times the code an older CPU runs, on this one, and checks that it computes
+bitwise what this CPU's code does.
 Before timing, each layer's outputs must be bitwise equal between the two (a kernel change that moves a result
 is a numerics change, not a speed-up). Prints the median ms per pass and the ratio working tree / against.
 """
@@ -22,7 +25,7 @@ import torch
 
 from eagle_lab.benchmark.gemm_rows import KERNELS, SHAPES, linear_stack
 from eagle_lab.errors import EagleLabError, key_values
-from eagle_lab.models.native import SOURCE_DIR, load_variant
+from eagle_lab.models.native import NATIVE, SOURCE_DIR, load_variant
 from eagle_lab.models.stable_linear import load_kernels
 
 
@@ -65,7 +68,7 @@ def compare(ours, theirs, kernel: str, rows: int, layers: int, passes: int) -> t
 
 
 def main(argv: list[str]) -> None:
-    args = key_values("kernel_ab", argv, ("against", "kernels", "rows", "layers", "passes"))
+    args = key_values("kernel_ab", argv, ("against", "march", "kernels", "rows", "layers", "passes"))
     try:
         kernels = args.get("kernels", "q4_1x8,q8_0x8").split(",")
         unknown = [k for k in kernels if k not in KERNELS or k == "torch"]
@@ -73,11 +76,12 @@ def main(argv: list[str]) -> None:
             raise EagleLabError(f"unknown kernel {unknown[0]} (choose from {', '.join(KERNELS[1:])})")
         row_counts = [int(r) for r in args.get("rows", "1,2,4,8").split(",")]
         layers, passes = int(args.get("layers", 30)), int(args.get("passes", 25))
-        against = args.get("against", "HEAD")
+        against, march = args.get("against", "HEAD"), args.get("march", NATIVE)
         load_kernels()
-        ours, theirs = torch.ops.eagle_lab_kernels, load_variant("stable_linear", source_of(against))
+        ours, theirs = torch.ops.eagle_lab_kernels, load_variant("stable_linear", source_of(against), march)
         print(f"ms per pass over {layers} layers x {len(SHAPES)} linears + the LM head, "
-              f"{torch.get_num_threads()} threads, {passes} passes in turns; working tree against {against}")
+              f"{torch.get_num_threads()} threads, {passes} passes in turns; working tree against {against} "
+              f"(-march={march})")
         print("| kernel | rows | working tree | against | ratio |")
         print("|---|---:|---:|---:|---:|")
         for kernel in kernels:

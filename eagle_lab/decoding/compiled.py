@@ -39,7 +39,7 @@ EAGER_MARGIN = 0.9  # compile=auto keeps a shape eager only when eager timed at 
 # what the target step's packages are built from; the C++ kernels they call are not, only their ops' schemas
 # (native.op_schemas, in every package's key): a faster kernel keeps the packages
 STEP_SOURCES = ("decoding/step_graph.py", "models/stable_linear.py", "models/attention.py")
-KERNEL_SOURCES = ("models/kernels/stable_linear.cpp", "models/kernels/stable_attention.cpp")
+KERNEL_SOURCES = ("models/kernels/stable_linear.cpp", "models/kernels/stable_attention.cpp", "models/kernels/simd.h")
 
 
 def doubling_lengths(first: int, capacity: int) -> list[int]:

@@ -1,8 +1,10 @@
 """eagle_lab's C++ kernels, compiled once per machine into the cache and loaded as torch ops.
 
 A library is built with the host's compiler for the host's instruction set (`-march=native`) and
-keyed by what its machine code depends on: the source, torch's version and ABI, the compiler's
-version and the CPU's flags. A later process loads the built library in milliseconds; another
+keyed by what its machine code depends on: the source and the headers beside it, torch's version and ABI, the compiler's
+version, the CPU's flags and the instruction set asked for. A variant may be built for an older instruction
+set than the host's (`march="x86-64-v3"`: AVX2 and FMA, no AVX-512), which is how this machine tests and times
+the code another CPU runs. A later process loads the built library in milliseconds; another
 machine, compiler or torch builds its own. Building takes about 10 s on 2 cores.
 """
 
@@ -26,7 +28,8 @@ from eagle_lab.models.embedded import cache_root
 
 log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent / "kernels"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
+FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
+NATIVE = "native"  # -march= of the libraries a run loads
 
 
 def compiler() -> str:
@@ -46,19 +49,20 @@ def library_path(name: str) -> Path:
     return _keyed_path(name, (SOURCE_DIR / f"{name}.cpp").read_bytes())
 
 
-def _keyed_path(stem: str, source: bytes) -> Path:
+def _keyed_path(stem: str, source: bytes, march: str = NATIVE) -> Path:
     cxx = compiler()
     digest = hashlib.sha256()
-    for part in (source, torch.__version__.encode(),
+    headers = [header.read_bytes() for header in sorted(SOURCE_DIR.glob("*.h"))]  # what the sources include
+    for part in (source, *headers, torch.__version__.encode(),
                  str(torch.compiled_with_cxx11_abi()).encode(), _compiler_version(cxx).encode(),
                  cpu_features().encode(), " ".join(sorted(cpu_flags())).encode(),
-                 " ".join(FLAGS).encode()):
+                 " ".join((*FLAGS, f"-march={march}")).encode()):
         digest.update(part)
     return cache_root() / "kernels" / f"{stem}-{digest.hexdigest()[:16]}.so"
 
 
-def _build(name: str, path: Path, source: Path | None = None) -> None:
-    """Compile `source` (default kernels/NAME.cpp) into the library at `path`."""
+def _build(name: str, path: Path, source: Path | None = None, march: str = NATIVE) -> None:
+    """Compile `source` (default kernels/NAME.cpp) for the instruction set `march` into the library at `path`."""
     from torch.utils.cpp_extension import include_paths
 
     torch_lib = Path(torch.__file__).parent / "lib"
@@ -66,7 +70,7 @@ def _build(name: str, path: Path, source: Path | None = None) -> None:
     log.info("building eagle_lab's %s kernels for this CPU into %s (about 10 s, once)", name, path.parent)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         staged = Path(scratch) / path.name
-        command = [compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+        command = [compiler(), *FLAGS, f"-march={march}", f"-I{SOURCE_DIR}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
                    *(f"-I{p}" for p in include_paths()), str(source or SOURCE_DIR / f"{name}.cpp"), "-o", str(staged),
                    f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -97,22 +101,24 @@ def load(name: str) -> None:
     torch.ops.load_library(str(path))
 
 
-def load_variant(name: str, source: str):
-    """Another version of kernels/NAME.cpp (its text), its ops registered under a namespace of its own (the
-    source's, suffixed with the text's digest: torch allows one library per namespace in a process), so that
-    both versions run in one process: how two kernels are compared on a machine whose speed drifts between
-    processes (eagle_lab/benchmark/kernel_ab.py). Built once, keyed like load()'s. -> torch.ops.<namespace>."""
+def load_variant(name: str, source: str, march: str = NATIVE):
+    """Another version of kernels/NAME.cpp (its text), built for the instruction set `march`, its ops registered
+    under a namespace of its own (the source's, suffixed with a digest of the text and `march`: torch allows one
+    library per namespace in a process), so that both versions run in one process: how two kernels, or one
+    kernel's code for two instruction sets, are compared on a machine whose speed drifts between processes
+    (eagle_lab/benchmark/kernel_ab.py). Built once, keyed like load()'s. -> torch.ops.<namespace>."""
     own = re.search(r"TORCH_LIBRARY\((\w+),", source)
     if own is None:
         raise EagleLabError(f"this {name} source registers no ops (no TORCH_LIBRARY)")
-    namespace = f"{own.group(1)}_v{hashlib.sha1(source.encode()).hexdigest()[:10]}"
+    tag = source if march == NATIVE else f"{source}\n-march={march}"
+    namespace = f"{own.group(1)}_v{hashlib.sha1(tag.encode()).hexdigest()[:10]}"
     renamed = re.sub(rf"\b{own.group(1)}\b", namespace, source)
-    path = _keyed_path(f"{name}-{namespace}", renamed.encode())
+    path = _keyed_path(f"{name}-{namespace}", renamed.encode(), march)
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
             staged_source = Path(scratch) / f"{name}.cpp"
             staged_source.write_text(renamed)
-            _build(f"{name} ({namespace})", path, staged_source)
+            _build(f"{name} ({namespace}, -march={march})", path, staged_source, march)
     torch.ops.load_library(str(path))
     return getattr(torch.ops, namespace)

@@ -17,11 +17,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from eagle_lab.models.attention import use_cpu_attention
-from eagle_lab.models.device import cpu_flags, resolve_device, resolve_dtype
+from eagle_lab.models.device import resolve_device, resolve_dtype
 from eagle_lab.models.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.model_shape import ModelShape
-from eagle_lab.models.stable_linear import StableLinear, convert_linears
+from eagle_lab.models.stable_linear import StableLinear, convert_linears, integer_dot_products
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
 
 log = logging.getLogger(__name__)
@@ -212,16 +212,16 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
 
 def shipped_weights(cfg: TargetConfig) -> str:
     """target.weights with `auto` resolved. The embedded target on CPU runs at its GGUF's precision (Q4_1 with a
-    Q8_0 LM head): w4a8 where the CPU has AVX512-VNNI (integer dot products over int8 activations, as llama.cpp
-    computes that file: the fastest lossless choice there), else int4 (the same weights over float32
-    activations, bitwise the numbers fp32 holds). Other targets: fp32."""
+    Q8_0 LM head): w4a8 where the CPU has integer dot products (AVX512-VNNI or AVX2: int8 activations, as
+    llama.cpp computes that file; the fastest lossless choice at every row count on both, docs/benchmarks.md),
+    else int4 (the same weights over float32 activations, bitwise the numbers fp32 holds). Other targets: fp32."""
     if cfg.weights != "auto":
         return cfg.weights
     device = resolve_device(cfg.device)
     on_cpu = device.type == "cpu" and resolve_dtype(cfg.dtype, device) == torch.float32
     if cfg.source != "embedded" or not on_cpu:
         return "fp32"
-    return "w4a8" if "avx512_vnni" in cpu_flags() else "int4"
+    return "w4a8" if integer_dot_products() else "int4"
 
 
 def _load_pretrained(path: str, dtype: torch.dtype, cfg: TargetConfig):

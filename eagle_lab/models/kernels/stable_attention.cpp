@@ -18,9 +18,12 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
+using simd::f32x16;
+using simd::i32x16;
 
 // The mask's value for (t, s): 0 or an additive bias; `hidden` says the key is not visible.
 struct Mask {
@@ -43,13 +46,9 @@ struct Mask {
   }
 };
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+ALWAYS_INLINE f32x16 load16(const float* p) { return simd::load<f32x16>(p); }
 
-inline float lanes_sum(f32x16 v) {  // always the same order
+ALWAYS_INLINE float lanes_sum(f32x16 v) {  // always the same order
 #if defined(__AVX512F__)
   __m512 z;
   std::memcpy(&z, &v, sizeof z);
@@ -63,13 +62,11 @@ inline float lanes_sum(f32x16 v) {  // always the same order
 #endif
 }
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
 // exp(x) for x <= 0, 16 lanes, to about 2 ulp (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times
 // 2^n). Written out, so every call computes the same bits; the library's vector exp may differ by CPU path.
-inline f32x16 exp_nonpositive(f32x16 x) {
+ALWAYS_INLINE f32x16 exp_nonpositive(f32x16 x) {
   const f32x16 floor_x = f32x16{} - 87.0f;
-  x = x < floor_x ? floor_x : x;
+  x = simd::select_less(x, floor_x, floor_x, x);
   const f32x16 magic = f32x16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const f32x16 n = (x * 1.44269504088896341f + magic) - magic;
   const f32x16 r = x - n * 0.693359375f - n * -2.12194440e-4f;
@@ -80,15 +77,12 @@ inline f32x16 exp_nonpositive(f32x16 x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return p * simd::as_f32((simd::to_i32(n) + 127) << 23);
 }
 
 // q . k over D, in one fixed order: 16-lane partial products over d, then the lanes pairwise (D % 16 == 0),
 // else one sum in increasing d.
-inline float dot(const float* q, const float* k, int64_t D) {
+ALWAYS_INLINE float dot(const float* q, const float* k, int64_t D) {
   if (D % 16 == 0) {
     f32x16 acc = load16(q) * load16(k);
     for (int64_t d = 16; d < D; d += 16) acc += load16(q + d) * load16(k + d);
@@ -100,7 +94,7 @@ inline float dot(const float* q, const float* k, int64_t D) {
 }
 
 // A query's 16-lane partial products with a key: q . k before its lanes are added (D % 16 == 0).
-inline f32x16 partial_dot(const float* q, const float* k, int64_t D) {
+ALWAYS_INLINE f32x16 partial_dot(const float* q, const float* k, int64_t D) {
   f32x16 acc = load16(q) * load16(k);
   for (int64_t d = 16; d < D; d += 16) acc += load16(q + d) * load16(k + d);
   return acc;
@@ -203,7 +197,7 @@ inline float softmax_numerators(float* x, int64_t n) {
     f32x16 top = load16(x);
     for (r = 16; r + 16 <= n; r += 16) {
       const f32x16 y = load16(x + r);
-      top = y > top ? y : top;
+      top = simd::select_less(top, y, y, top);
     }
     float l[16];
     std::memcpy(l, &top, sizeof l);

@@ -36,12 +36,15 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
+#define ALWAYS_LAMBDA __attribute__((always_inline))
+
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
+using simd::f32x16;
+using simd::i32x16;
+using simd::to_f32;
 
 constexpr int64_t LANES = 16;
 constexpr int64_t GROUP = 32;
@@ -52,15 +55,11 @@ constexpr int64_t MAX_BLOCK_ROWS = 8;  // accumulators in registers: 8 of 32 zmm
 constexpr int64_t MAX_BLOCK_ROWS = 4;  // 8 of 16 ymm
 #endif
 
-inline f32x16 load_f32(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+ALWAYS_INLINE f32x16 load_f32(const float* p) { return simd::load<f32x16>(p); }
 
 // 16 bytes -> 16 lanes of 32 bits, zero- or sign-extended (GCC scalarizes __builtin_convertvector here).
 template <bool Signed>
-inline i32x16 widen_bytes(const uint8_t* p) {
+ALWAYS_INLINE i32x16 widen_bytes(const uint8_t* p) {
   i32x16 out;
   __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
 #if defined(__AVX512F__)
@@ -76,13 +75,13 @@ inline i32x16 widen_bytes(const uint8_t* p) {
   return out;
 }
 
-inline void prefetch(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES); }
+ALWAYS_INLINE void prefetch(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES); }
 
 struct F32Panel {
   const float* w;
   int64_t K;
   template <class Visit>
-  inline void each_k(Visit visit) const {
+  ALWAYS_INLINE void each_k(Visit visit) const {
     int64_t k = 0;
     for (; k + 1 < K; k += 2) {
       prefetch(w + k * LANES);
@@ -98,7 +97,7 @@ struct BF16Panel {
   const uint16_t* w;
   int64_t K;
   template <class Visit>
-  inline void each_k(Visit visit) const {
+  ALWAYS_INLINE void each_k(Visit visit) const {
     int64_t k = 0;
     for (; k + 1 < K; k += 2) {
       prefetch(w + k * LANES);
@@ -107,12 +106,20 @@ struct BF16Panel {
     }
     if (k < K) visit(k, at(k), 0);
   }
-  inline f32x16 at(int64_t k) const {  // bf16 bits widened to float32 exactly
-    u16x16 h;
-    std::memcpy(&h, w + k * LANES, sizeof h);
-    u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+  ALWAYS_INLINE f32x16 at(int64_t k) const {  // bf16 bits widened to float32 exactly
     f32x16 v;
+#if defined(__AVX512F__)
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * LANES))), 16);
     std::memcpy(&v, &bits, sizeof v);
+#else
+    const __m256i low = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * LANES))), 16);
+    const __m256i high = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k * LANES + 8))), 16);
+    std::memcpy(&v, &low, 32);
+    std::memcpy(reinterpret_cast<char*>(&v) + 32, &high, 32);
+#endif
     return v;
   }
 };
@@ -121,11 +128,11 @@ struct Q8Panel {
   const int8_t* q;
   const float* scales;
   int64_t K;
-  inline f32x16 at(int64_t k) const {
-    return __builtin_convertvector(widen_bytes<true>(reinterpret_cast<const uint8_t*>(q + k * LANES)), f32x16);
+  ALWAYS_INLINE f32x16 at(int64_t k) const {
+    return to_f32(widen_bytes<true>(reinterpret_cast<const uint8_t*>(q + k * LANES)));
   }
   template <class Visit>
-  inline void each_k(Visit visit) const {
+  ALWAYS_INLINE void each_k(Visit visit) const {
     for (int64_t g = 0; g < K / GROUP; ++g) {
       const f32x16 scale = load_f32(scales + g * LANES);
       for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 2) {
@@ -143,14 +150,14 @@ struct Q4Panel {
   const float* minimums;
   int64_t K;
   template <class Visit>
-  inline void each_k(Visit visit) const {
+  ALWAYS_INLINE void each_k(Visit visit) const {
     for (int64_t g = 0; g < K / GROUP; ++g) {
       const f32x16 scale = load_f32(scales + g * LANES), minimum = load_f32(minimums + g * LANES);
       for (int64_t k = g * GROUP; k < (g + 1) * GROUP; k += 2) {
         if ((k & 7) == 0) prefetch(nibbles + (k / 2) * LANES);
         const i32x16 q = widen_bytes<false>(nibbles + (k / 2) * LANES);
-        visit(k, __builtin_convertvector(q & 15, f32x16) * scale + minimum, 0);
-        visit(k + 1, __builtin_convertvector(q >> 4, f32x16) * scale + minimum, 1);
+        visit(k, to_f32(q & 15) * scale + minimum, 0);
+        visit(k + 1, to_f32(q >> 4) * scale + minimum, 1);
       }
     }
   }
@@ -161,11 +168,11 @@ struct Q4Panel {
 // flight instead of one, which at a few rows bound the loop by the FMA's latency. Panels visit k with its
 // chain (k & 1), so the order of every sum is fixed whatever ROWS is.
 template <int ROWS, class Panel>
-inline void rows_by_panel(const Panel& panel, const float* x, int64_t K, const float* bias, int64_t cols, float* out,
+ALWAYS_INLINE void rows_by_panel(const Panel& panel, const float* x, int64_t K, const float* bias, int64_t cols, float* out,
                           int64_t out_stride) {
   f32x16 acc[2][ROWS];
   for (int r = 0; r < ROWS; ++r) acc[0][r] = acc[1][r] = f32x16{};
-  panel.each_k([&](int64_t k, f32x16 w, int chain) {
+  panel.each_k([&](int64_t k, f32x16 w, int chain) ALWAYS_LAMBDA {
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) acc[chain][r] += w * x[r * K + k];
   });
@@ -360,8 +367,11 @@ QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K, bool biased) {
   return out;
 }
 
-// acc + for each 32-bit lane, the sum of its 4 unsigned bytes of `a` times the 4 signed bytes of `b`.
-inline i32x16 dot4(i32x16 acc, i32x16 a, i32x16 b) {
+// acc + for each 32-bit lane, the sum of its 4 unsigned bytes of `a` times the 4 signed bytes of `b`: exact
+// integers. Without VNNI, vpmaddubsw adds the products in pairs into int16 (saturating) and vpmaddwd adds the pairs
+// into int32: exact for the callers, whose pairs stay below 2^15 (4-bit weights: 2 * 15 * 127; dot4_signed:
+// 2 * 127 * 127).
+ALWAYS_INLINE i32x16 dot4(i32x16 acc, i32x16 a, i32x16 b) {
 #if defined(__AVX512VNNI__)
   __m512i va, vb, vacc;
   std::memcpy(&va, &a, 64);
@@ -369,6 +379,23 @@ inline i32x16 dot4(i32x16 acc, i32x16 a, i32x16 b) {
   std::memcpy(&vacc, &acc, 64);
   vacc = _mm512_dpbusd_epi32(vacc, va, vb);
   std::memcpy(&acc, &vacc, 64);
+  return acc;
+#elif defined(__AVX512BW__)
+  __m512i va, vb, vacc;
+  std::memcpy(&va, &a, 64);
+  std::memcpy(&vb, &b, 64);
+  std::memcpy(&vacc, &acc, 64);
+  vacc = _mm512_add_epi32(vacc, _mm512_madd_epi16(_mm512_maddubs_epi16(va, vb), _mm512_set1_epi16(1)));
+  std::memcpy(&acc, &vacc, 64);
+  return acc;
+#elif defined(__AVX2__)
+  __m256i va[2], vb[2], vacc[2];
+  std::memcpy(va, &a, 64);
+  std::memcpy(vb, &b, 64);
+  std::memcpy(vacc, &acc, 64);
+  for (int h = 0; h < 2; ++h)
+    vacc[h] = _mm256_add_epi32(vacc[h], _mm256_madd_epi16(_mm256_maddubs_epi16(va[h], vb[h]), _mm256_set1_epi16(1)));
+  std::memcpy(&acc, vacc, 64);
   return acc;
 #else
 #pragma GCC unroll 4
@@ -381,7 +408,42 @@ inline i32x16 dot4(i32x16 acc, i32x16 a, i32x16 b) {
 #endif
 }
 
-inline f32x16 load_f16(const uint16_t* p) {  // 16 float16 -> float32, exactly
+#if !defined(__AVX512VNNI__)
+// acc + for each 32-bit lane, the sum of its 4 signed bytes of `a` (|a| <= 127) times the 4 signed bytes of `b`:
+// |a| times b with a's sign, through dot4.
+ALWAYS_INLINE i32x16 dot4_signed(i32x16 acc, i32x16 a, i32x16 b) {
+#if defined(__AVX512BW__)
+  __m512i va, vb;
+  std::memcpy(&va, &a, 64);
+  std::memcpy(&vb, &b, 64);
+  const __m512i signed_b = _mm512_mask_sub_epi8(vb, _mm512_movepi8_mask(va), _mm512_setzero_si512(), vb);
+  const __m512i magnitude = _mm512_abs_epi8(va);
+  std::memcpy(&a, &magnitude, 64);
+  std::memcpy(&b, &signed_b, 64);
+  return dot4(acc, a, b);
+#elif defined(__AVX2__)
+  __m256i va[2], vb[2];
+  std::memcpy(va, &a, 64);
+  std::memcpy(vb, &b, 64);
+  for (int h = 0; h < 2; ++h) {
+    vb[h] = _mm256_sign_epi8(vb[h], va[h]);
+    va[h] = _mm256_sign_epi8(va[h], va[h]);
+  }
+  std::memcpy(&a, va, 64);
+  std::memcpy(&b, vb, 64);
+  return dot4(acc, a, b);
+#else
+#pragma GCC unroll 4
+  for (int byte = 0; byte < 4; ++byte) {
+    const i32x16 sa = (a << (24 - 8 * byte)) >> 24, sb = (b << (24 - 8 * byte)) >> 24;
+    acc += sa * sb;
+  }
+  return acc;
+#endif
+}
+#endif
+
+ALWAYS_INLINE f32x16 load_f16(const uint16_t* p) {  // 16 float16 -> float32, exactly
   f32x16 out;
 #if defined(__AVX512F__)
   const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -395,23 +457,26 @@ inline f32x16 load_f16(const uint16_t* p) {  // 16 float16 -> float32, exactly
   return out;
 }
 
-inline i32x16 load_i16(const int16_t* p) {  // 16 int16 -> int32
-  typedef int16_t i16x16 __attribute__((vector_size(32)));
-  i16x16 narrow;
-  std::memcpy(&narrow, p, sizeof narrow);
-  return __builtin_convertvector(narrow, i32x16);
+ALWAYS_INLINE i32x16 load_i16(const int16_t* p) {  // 16 int16 -> int32
+  i32x16 out;
+#if defined(__AVX512F__)
+  const __m512i wide = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&out, &wide, sizeof out);
+#else
+  const __m256i low = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i high = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&out, &low, 32);
+  std::memcpy(reinterpret_cast<char*>(&out) + 32, &high, 32);
+#endif
+  return out;
 }
 
-inline i32x16 load_i32(const void* p) {
-  i32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+ALWAYS_INLINE i32x16 load_i32(const void* p) { return simd::load<i32x16>(p); }
 
-inline i32x16 broadcast4(const void* p) {  // 4 bytes repeated in every lane
+ALWAYS_INLINE i32x16 broadcast4(const void* p) {  // 4 bytes repeated in every lane
   int32_t word;
   std::memcpy(&word, p, 4);
-  return i32x16{} + word;
+  return simd::splat_i32(word);
 }
 
 struct Q4x8Panel {
@@ -422,7 +487,7 @@ struct Q4x8Panel {
   static constexpr bool biased = false;
   // rows' integer dot products over group g: isum[r] for r < ROWS
   template <int ROWS>
-  inline void group(int64_t g, const int8_t* const* xq, i32x16* isum) const {
+  ALWAYS_INLINE void group(int64_t g, const int8_t* const* xq, i32x16* isum) const {
 #pragma GCC unroll 4
     for (int t = 0; t < GROUP / 8; ++t) {
       prefetch(packed + (g * (GROUP / 8) + t) * 64);
@@ -436,9 +501,8 @@ struct Q4x8Panel {
       }
     }
   }
-  inline f32x16 term(int64_t g, i32x16 isum, float d, float scaled_sum) const {
-    return __builtin_convertvector(isum, f32x16) * (load_f16(scales + g * LANES) * d) +
-           load_f16(minimums + g * LANES) * scaled_sum;
+  ALWAYS_INLINE f32x16 term(int64_t g, i32x16 isum, float d, float scaled_sum) const {
+    return simd::fma(to_f32(isum), load_f16(scales + g * LANES) * d, load_f16(minimums + g * LANES) * scaled_sum);
   }
 };
 
@@ -446,30 +510,43 @@ struct Q8x8Panel {
   const int8_t* packed;  // [K/4, 64]
   const uint16_t* scales;  // float16 bits
   const int16_t* sums;  // [K/32, 16]
-  using Row = uint8_t;  // x quantized and biased: q + 128
+#if defined(__AVX512VNNI__)
+  using Row = uint8_t;  // x quantized and biased: q + 128 (vpdpbusd's unsigned operand)
   static constexpr bool biased = true;
+#else
+  using Row = int8_t;  // x quantized: q (dot4_signed folds its sign into the weights)
+  static constexpr bool biased = false;
+#endif
   template <int ROWS>
-  inline void group(int64_t g, const uint8_t* const* xu, i32x16* isum) const {
+  ALWAYS_INLINE void group(int64_t g, const Row* const* xs, i32x16* isum) const {
 #pragma GCC unroll 8
     for (int t = 0; t < GROUP / 4; ++t) {
       prefetch(packed + (g * (GROUP / 4) + t) * 64);
       const i32x16 w = load_i32(packed + (g * (GROUP / 4) + t) * 64);
       const int64_t k = g * GROUP + 4 * t;
 #pragma GCC unroll 8
-      for (int r = 0; r < ROWS; ++r) isum[r] = dot4(isum[r], broadcast4(xu[r] + k), w);
+      for (int r = 0; r < ROWS; ++r) {
+#if defined(__AVX512VNNI__)
+        isum[r] = dot4(isum[r], broadcast4(xs[r] + k), w);
+#else
+        isum[r] = dot4_signed(isum[r], broadcast4(xs[r] + k), w);
+#endif
+      }
     }
+#if defined(__AVX512VNNI__)
     const i32x16 correction = load_i16(sums + g * LANES) * 128;  // (q + 128) . w - 128 * sum(w) = q . w
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) isum[r] -= correction;
+#endif
   }
-  inline f32x16 term(int64_t g, i32x16 isum, float d, float) const {
-    return __builtin_convertvector(isum, f32x16) * (load_f16(scales + g * LANES) * d);
+  ALWAYS_INLINE f32x16 term(int64_t g, i32x16 isum, float d, float) const {
+    return to_f32(isum) * (load_f16(scales + g * LANES) * d);
   }
 };
 
 // ROWS quantized rows by one panel; every row's groups are added into its accumulator in order.
 template <int ROWS, class Panel>
-inline void quantized_rows_by_panel(const Panel& panel, const QuantizedRows& xq, int64_t m0, int64_t K,
+ALWAYS_INLINE void quantized_rows_by_panel(const Panel& panel, const QuantizedRows& xq, int64_t m0, int64_t K,
                                     const float* bias, int64_t cols, float* out, int64_t out_stride) {
   const int64_t groups = K / GROUP;
   using Row = typename Panel::Row;
@@ -546,7 +623,7 @@ at::Tensor stable_linear_q4x8(const at::Tensor& x, const at::Tensor& packed, con
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* m = reinterpret_cast<const uint16_t*>(minimums.data_ptr<at::Half>());
   const int64_t groups = K / GROUP;
-  return run_quantized(x, P, K, N, bias, false, [&](int64_t p) {
+  return run_quantized(x, P, K, N, bias, Q4x8Panel::biased, [&](int64_t p) {
     return Q4x8Panel{w + p * (K / 2) * LANES, s + p * groups * LANES, m + p * groups * LANES};
   });
 }
@@ -561,7 +638,7 @@ at::Tensor stable_linear_q8x8(const at::Tensor& x, const at::Tensor& packed, con
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const int16_t* sum = sums.data_ptr<int16_t>();
   const int64_t groups = K / GROUP;
-  return run_quantized(x, P, K, N, bias, true, [&](int64_t p) {
+  return run_quantized(x, P, K, N, bias, Q8x8Panel::biased, [&](int64_t p) {
     return Q8x8Panel{w + p * K * LANES, s + p * groups * LANES, sum + p * groups * LANES};
   });
 }
