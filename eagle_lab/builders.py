@@ -12,7 +12,7 @@ import torch
 from eagle_lab.drafters.card import read_card
 from eagle_lab.config import HeadConfig, MedusaConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
-from eagle_lab.models.device import drafting_dtype
+from eagle_lab.models.device import drafting_dtype, integer_dot_products
 from eagle_lab.decoding.tree import Drafter
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.growth import TreeShape, untuned_shape
@@ -27,7 +27,7 @@ from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.eagle.layouts import load_head
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.decoding.sampling import SamplingParams
-from eagle_lab.models.stable_linear import FORMATS, convert_module_linears, integer_dot_products
+from eagle_lab.models.stable_linear import FORMATS, convert_module_linears
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.tree_search.auto import auto_tree
 

@@ -175,14 +175,14 @@ def test_load_target_converts_every_linear_and_keeps_the_lm_head_tied(weights):
 
 
 def test_auto_weights_are_the_embedded_ggufs_precision_and_fp32_otherwise(monkeypatch):
-    from eagle_lab.models import stable_linear
+    from eagle_lab.models import device
     from eagle_lab.models.target import shipped_weights
 
-    monkeypatch.setattr(stable_linear, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_vnni"}))
     assert shipped_weights(TargetConfig(source="embedded", device="cpu")) == "w4a8"
-    monkeypatch.setattr(stable_linear, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # vpmaddubsw: still w4a8
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # vpmaddubsw: still w4a8
     assert shipped_weights(TargetConfig(source="embedded", device="cpu")) == "w4a8"
-    monkeypatch.setattr(stable_linear, "cpu_flags", lambda: frozenset({"sse2"}))  # no integer dot products
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"sse2"}))  # no integer dot products
     assert shipped_weights(TargetConfig(source="embedded", device="cpu")) == "int4"
     assert shipped_weights(TargetConfig(name="tiny_llama", source="tiny", device="cpu")) == "fp32"
     assert shipped_weights(TargetConfig(source="embedded", device="cpu", dtype="bfloat16")) == "fp32"

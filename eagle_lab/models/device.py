@@ -87,6 +87,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def integer_dot_products() -> bool:
+    """Whether this CPU runs the row-stable kernel's int8-activation formats (w4a8, w8a8) fast: AVX512-VNNI's
+    vpdpbusd, or AVX2's vpmaddubsw (AVX-512 without VNNI has it too). Every instruction set computes the same
+    integer sums; without either they run in plain vector code (the same bits, slower than the float formats)."""
+    return "avx2" in cpu_flags() or "avx512_vnni" in cpu_flags()
+
+
 def cpu_features() -> str:
     """The instruction sets generated code may use here (inductor compiles for the host's ISA)."""
     present = [flag for flag in _CPU_FLAGS if flag in cpu_flags()]

@@ -27,7 +27,6 @@ from torch import nn
 
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models import native
-from eagle_lab.models.device import cpu_flags
 
 log = logging.getLogger(__name__)
 WEIGHTS = ("fp32", "bf16", "int8", "int4", "w8a8", "w4a8")
@@ -147,13 +146,6 @@ class StableLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, storage={self.storage}"
-
-
-def integer_dot_products() -> bool:
-    """Whether this CPU runs the int8-activation formats (w4a8, w8a8) fast: AVX512-VNNI's vpdpbusd, or AVX2's
-    vpmaddubsw (AVX-512 without VNNI has it too). Every instruction set computes the same integer sums; without
-    either, they run in plain vector code (the same bits, slower than the float formats)."""
-    return "avx2" in cpu_flags() or "avx512_vnni" in cpu_flags()
 
 
 def kernels_available() -> tuple[bool, str]:

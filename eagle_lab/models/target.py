@@ -17,11 +17,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from eagle_lab.models.attention import use_cpu_attention
-from eagle_lab.models.device import resolve_device, resolve_dtype
+from eagle_lab.models.device import integer_dot_products, resolve_device, resolve_dtype
 from eagle_lab.models.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.model_shape import ModelShape
-from eagle_lab.models.stable_linear import StableLinear, convert_linears, integer_dot_products
+from eagle_lab.models.stable_linear import StableLinear, convert_linears
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
 
 log = logging.getLogger(__name__)
