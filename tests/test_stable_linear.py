@@ -123,6 +123,9 @@ def test_the_library_is_keyed_by_what_its_code_depends_on(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr("eagle_lab.models.native.cpu_flags", lambda: frozenset({"sse2"}))
     assert library_path("stable_linear") != here  # and so does another CPU
+    monkeypatch.undo()
+    monkeypatch.setenv("EAGLE_LAB_KERNEL_MARCH", "x86-64-v3")
+    assert library_path("stable_linear") != here  # and another instruction set asked for
 
 
 def test_the_library_key_reads_the_headers_its_source_includes(monkeypatch, tmp_path):

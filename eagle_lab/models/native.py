@@ -29,7 +29,8 @@ from eagle_lab.models.embedded import cache_root
 log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent / "kernels"
 FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++20", "-w")
-NATIVE = "native"  # -march= of the libraries a run loads
+NATIVE = "native"  # -march= of the libraries a run loads, unless $EAGLE_LAB_KERNEL_MARCH names another
+MARCH_ENV = "EAGLE_LAB_KERNEL_MARCH"
 
 
 def compiler() -> str:
@@ -44,9 +45,15 @@ def _compiler_version(cxx: str) -> str:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.split("\n")[0]
 
 
+def kernel_march() -> str:
+    """The -march a run's kernels are built for: the host's, or $EAGLE_LAB_KERNEL_MARCH (`x86-64-v3`: AVX2 and
+    FMA), which runs on this CPU the code an older one would run: how its speed is measured where none is at hand."""
+    return os.environ.get(MARCH_ENV, "").strip() or NATIVE
+
+
 def library_path(name: str) -> Path:
-    """Where the library built from kernels/NAME.cpp for this machine lives (built or not)."""
-    return _keyed_path(name, (SOURCE_DIR / f"{name}.cpp").read_bytes())
+    """Where the library built from kernels/NAME.cpp for this machine (and kernel_march()) lives, built or not."""
+    return _keyed_path(name, (SOURCE_DIR / f"{name}.cpp").read_bytes(), kernel_march())
 
 
 def _keyed_path(stem: str, source: bytes, march: str = NATIVE) -> Path:
@@ -97,7 +104,7 @@ def load(name: str) -> None:
     """Build kernels/NAME.cpp for this machine if needed and register its ops (once per process)."""
     path = library_path(name)
     if not path.is_file():
-        _build(name, path)
+        _build(name, path, march=kernel_march())
     torch.ops.load_library(str(path))
 
 

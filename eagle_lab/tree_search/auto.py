@@ -53,6 +53,7 @@ from eagle_lab.decoding.graph_store import code_digest
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.head_step import STEP_SOURCES as HEAD_STEP_SOURCES
 from eagle_lab.drafters.growth import TreeChoice, TreeShape
+from eagle_lab.models.native import NATIVE, kernel_march
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.drafters.ngram import NgramProposer
 from eagle_lab.models.prompts import encode_prompt
@@ -154,6 +155,8 @@ def calibration_fingerprint(target: Target, drafter: EagleDrafter, search: TreeS
                              "head_step": "compiled" if drafter.runner.compiled else "eager"}
     # how the weights are stored and multiplied: other costs, and (quantized) other acceptance
     fields["target_weights"] = [getattr(target, "weights", "fp32"), getattr(target, "linear_kernel", "torch")]
+    if kernel_march() != NATIVE:  # kernels built for another instruction set cost differently
+        fields["kernel_march"] = kernel_march()
     if head.dtype != target.dtype:  # a head drafting in its own dtype costs and accepts differently
         fields["head_dtype"] = str(head.dtype)
     if getattr(head.fc, "storage", None):  # a head on the row-stable kernel: its weights' storage sets its cost
