@@ -2,9 +2,10 @@
 //
 // The kernels compute on 16 lanes whatever the instruction set, so a sum's lanes and order (and so its bits) do
 // not depend on it. With AVX-512, f32x16 / i32x16 are GCC vector types of 64 bytes. Without AVX-512, GCC lowers a
-// 64-byte vector type through memory (pieces moved through general registers, every accumulator spilled: 4-7x
-// slower with AVX2 alone), so there they are a pair of 32-byte halves with the same operators, which stay in
-// registers. Every helper is inlined: a 64-byte argument of a call left out of line is passed through memory too.
+// 64-byte vector type through memory (pieces moved through general registers, every accumulator spilled: up
+// to 5x slower with AVX2 alone, docs/benchmarks.md), so there they are a pair of 32-byte halves with the same
+// operators, which stay in registers. Every helper is inlined: a 64-byte argument of a call left out of line is
+// passed through memory too.
 #pragma once
 
 #include <immintrin.h>
@@ -135,7 +136,6 @@ ALWAYS_INLINE f32x16 fma(f32x16 a, f32x16 b, f32x16 c) {
 #endif
 }
 
-ALWAYS_INLINE f32x16 splat_f32(float s) { return f32x16{} + s; }
 ALWAYS_INLINE i32x16 splat_i32(int32_t s) { return i32x16{} + s; }
 
 }  // namespace simd
