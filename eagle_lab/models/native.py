@@ -1,11 +1,11 @@
 """eagle_lab's C++ kernels, compiled once per machine into the cache and loaded as torch ops.
 
-A library is built with the host's compiler for the host's instruction set (`-march=native`) and
-keyed by what its machine code depends on: the source and the headers beside it, torch's version and ABI, the compiler's
-version, the CPU's flags and the instruction set asked for. A variant may be built for an older instruction
-set than the host's (`march="x86-64-v3"`: AVX2 and FMA, no AVX-512), which is how this machine tests and times
-the code another CPU runs. A later process loads the built library in milliseconds; another
-machine, compiler or torch builds its own. Building takes about 10 s on 2 cores.
+A library is built with the host's compiler for the host's instruction set (`-march=native`) and keyed by what
+its machine code depends on: the source and the headers beside it, torch's version and ABI, the compiler's version,
+the CPU's flags and the instruction set asked for. A variant may be built for an older instruction set than the
+host's (`march="x86-64-v3"`: AVX2 and FMA, no AVX-512), which is how this machine tests and times the code another
+CPU runs. A later process loads the built library in milliseconds; another machine, compiler or torch builds its
+own. Building takes about 10 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def _build(name: str, path: Path, source: Path | None = None, march: str = NATIV
     log.info("building eagle_lab's %s kernels for this CPU into %s (about 10 s, once)", name, path.parent)
     with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
         staged = Path(scratch) / path.name
-        command = [compiler(), *FLAGS, f"-march={march}", f"-I{SOURCE_DIR}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+        command = [compiler(), *FLAGS, f"-march={march}", f"-I{SOURCE_DIR}",
+                   f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
                    *(f"-I{p}" for p in include_paths()), str(source or SOURCE_DIR / f"{name}.cpp"), "-o", str(staged),
                    f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
