@@ -460,6 +460,21 @@ def test_the_best_head_tree_is_timed_even_when_the_model_ranks_it_low():
     assert len(rows) == VALIDATE_TOP + 1 and rows[-1]["shape"]["depth"] == 0 and not rows[-1].get("ngram_tokens")
 
 
+def test_the_best_small_head_tree_is_timed_beside_larger_ones():
+    """The model's best rows are all larger head trees (an overhead fitted on a slow minute favours them):
+    its best tree of at most SMALL_TREE_TOKENS draft tokens is timed too, and only that one."""
+    from eagle_lab.tree_search.validate import SMALL_TREE_TOKENS, candidates_to_time
+
+    def row(depth, total, speed):
+        return {"shape": {"depth": depth, "topk": 4, "total_tokens": total}, "tau": 1.0, "tokens_per_s": speed}
+
+    ranked = [row(3, 8, 200), row(3, 6, 199), row(2, 4, 198), row(2, 2, 150), row(1, 1, 149), row(0, 0, 140)]
+    rows = candidates_to_time(ranked, TreeShape(0, 0, 0))
+    totals = [r["shape"]["total_tokens"] for r in rows]
+    assert totals == [8, 6, 4, 2, 0] and SMALL_TREE_TOKENS == 2
+    assert [r["shape"]["total_tokens"] for r in candidates_to_time(ranked[2:], TreeShape(0, 0, 0))] == [4, 2, 1, 0]
+
+
 def test_calibrations_key_on_code_not_on_its_prose():
     """tree=auto's cached timings name the round's code through python_code: a docstring, a comment or a
     blank line changes nothing, a changed statement does."""

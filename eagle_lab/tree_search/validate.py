@@ -22,6 +22,7 @@ from eagle_lab.tree_search.costs import CostModel
 
 
 VALIDATE_TOP = 3  # the model's best shapes timed in the decoding loop before one is chosen
+SMALL_TREE_TOKENS = 2  # the best head tree of at most this many draft tokens is always timed too
 
 
 TIMING_PASSES = 2  # each prompt decoded this many times by each candidate; the fastest pass counts
@@ -72,13 +73,18 @@ def with_plain(rows: list[dict], fixed: TreeShape) -> list[dict]:
 
 
 def candidates_to_time(ranked: list[dict], fixed: TreeShape) -> list[dict]:
-    """The model's VALIDATE_TOP best rows, the best row that runs the head when none of those does (n-gram
+    """The model's VALIDATE_TOP best rows; the best row that runs the head when none of those does (n-gram
     rows and plain decoding are priced from timed rounds, head trees from their parts, so the model can
-    rank every head tree below them on a machine whose speed drifted while the parts were timed), and
-    plain decoding (with_plain)."""
+    rank every head tree below them on a machine whose speed drifted while the parts were timed); the best
+    head tree of at most SMALL_TREE_TOKENS draft tokens when none of the others is that small (a round's
+    overhead is fitted as a residual that the same drift inflates, and an overpriced round favours larger
+    trees); and plain decoding (with_plain)."""
     rows = ranked[:VALIDATE_TOP]
+    head_rows = [r for r in ranked if r["shape"]["depth"] > 0]
     if not any(r["shape"]["depth"] > 0 for r in rows):
-        rows = rows + [r for r in ranked[VALIDATE_TOP:] if r["shape"]["depth"] > 0][:1]
+        rows = rows + head_rows[:1]
+    if not any(0 < r["shape"]["total_tokens"] <= SMALL_TREE_TOKENS and r["shape"]["depth"] > 0 for r in rows):
+        rows = rows + [r for r in head_rows if r["shape"]["total_tokens"] <= SMALL_TREE_TOKENS][:1]
     return with_plain(rows, fixed)
 
 
