@@ -17,6 +17,7 @@ from eagle_lab.config import ServeConfig, register_configs, to_object
 from eagle_lab.decoding.backend import build_backend, compile_choice
 from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import Stopper, check_prompt
+from eagle_lab.decoding.heap import freeze_loaded_objects
 from eagle_lab.models.prompts import as_tensor, encode_prompt, read_prompts_file
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.target import load_target
@@ -70,6 +71,7 @@ def run(raw: DictConfig) -> None:
     backend = build_backend(target, cfg.compile, cfg.decoding, planned_tokens=planned,
                             longest_prompt=max(len(ids) for ids in encoded), max_new_tokens=cfg.max_new_tokens)
     drafter = make_drafter(cfg, target, backend, planned)
+    freeze_loaded_objects()
     for index, ids in enumerate(encoded):
         prompt = as_tensor(ids, target.device)
         stream = TextStream(target.tokenizer, cfg.stop, out=sys.stdout if cfg.output == "text" else NullOut())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -13,6 +14,15 @@ from eagle_lab.decoding.tree import DraftTree, build_tree, root_only_tree
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 FAMILIES = ("llama", "qwen2", "mistral")
+
+
+@pytest.fixture(autouse=True)
+def collectable_heap():
+    """Serving code exempts what it loaded from garbage collection (decoding/heap.py); in one test process
+    that would keep every earlier test's objects out of the collector's reach, so each test ends with the
+    exemption lifted."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session", params=FAMILIES)

@@ -42,6 +42,7 @@ from eagle_lab.benchmark.sweep import run_sweep
 from eagle_lab.builders import SPECULATIVE, build_decoder, make_generator
 from eagle_lab.config import ServeConfig
 from eagle_lab.decoding.backend import EagerBackend, build_backend
+from eagle_lab.decoding.heap import freeze_loaded_objects
 from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import Stopper, generate
 from eagle_lab.models.prompts import as_tensor, encode_prompt
@@ -98,6 +99,7 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
                 warm_up(ctx, method, encoded[: cfg.bench.warmup], params)
                 warmed.add(method)
             active.append(method)
+        freeze_loaded_objects()  # what set-up and the warm-ups loaded: no full collection inside a timed run
         if cfg.bench.interleave:
             runs = run_interleaved(ctx, active, encoded, params, temperature)
         else:

@@ -14,6 +14,7 @@ import socket
 from eagle_lab.builders import make_drafter
 from eagle_lab.config import ServeConfig, ServerConfig
 from eagle_lab.decoding.backend import DecodingConfig, StaticBackend, build_backend
+from eagle_lab.decoding.heap import freeze_loaded_objects
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.errors import EagleLabError
@@ -131,6 +132,7 @@ def run_server(cfg: ServeConfig) -> None:
 
     model_thread = ModelThread()  # loads the model, then runs the scheduler's loop: one thread runs the model
     app, engine, _ = model_thread.run(build_app, cfg, model_thread)
+    freeze_loaded_objects()
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     log.info("serving %s (method=%s) on http://%s:%d/v1 (max_batch %d, max_queue %d%s)", engine.model_name,
