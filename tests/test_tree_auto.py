@@ -475,6 +475,27 @@ def test_the_best_small_head_tree_is_timed_beside_larger_ones():
     assert [r["shape"]["total_tokens"] for r in candidates_to_time(ranked[2:], TreeShape(0, 0, 0))] == [4, 2, 1, 0]
 
 
+def test_no_drafting_row_is_credited_with_more_than_its_tau_over_plain_decoding():
+    """Timed in a faster minute, an n-gram chain at tau 1.04 came out 9% above plain decoding and 2% above a head
+    chain at tau 1.47: it is capped at 1.04 x plain decoding's speed and the head chain ranks first; rows under
+    their bound, and plain decoding itself, keep what they measured."""
+    from eagle_lab.tree_search.validate import cap_at_tau
+
+    def row(depth, chain, tau, speed):
+        return {"shape": {"depth": depth, "topk": depth, "total_tokens": depth}, "ngram_tokens": chain,
+                "measured_tau": tau, "measured_tokens_per_s": speed}
+
+    rows = [row(0, 1, 1.04, 181.2), row(1, 0, 1.47, 177.4), row(0, 0, 1.0, 166.0)]
+    cap_at_tau(rows)
+    assert rows[0]["measured_tokens_per_s"] == pytest.approx(1.04 * 166.0) and rows[0]["capped"]
+    assert rows[1]["measured_tokens_per_s"] == 177.4 and "capped" not in rows[1]
+    assert rows[2]["measured_tokens_per_s"] == 166.0 and "capped" not in rows[2]
+    assert max(rows, key=lambda r: r["measured_tokens_per_s"]) is rows[1]
+    unplain = [row(0, 1, 1.04, 181.2)]  # plain decoding not timed (fixed fields): nothing to bound by
+    cap_at_tau(unplain)
+    assert unplain[0]["measured_tokens_per_s"] == 181.2
+
+
 def test_calibrations_key_on_code_not_on_its_prose():
     """tree=auto's cached timings name the round's code through python_code: a docstring, a comment or a
     blank line changes nothing, a changed statement does."""

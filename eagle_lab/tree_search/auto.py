@@ -349,11 +349,12 @@ def log_choice(best: dict, measured: list[dict], ranked: list[dict], costs: Cost
                  chosen.total_tokens, f" + n-gram chains of {chain} tokens" if chain else "",
                  best["tokens_per_s"], best["tau"], 1000 / costs.round_ms(TreeShape(0, 0, 0)), path)
     else:
-        log.info("tree=auto%s chose depth=%d topk=%d total_tokens=%d%s: %.1f tok/s timed in the loop (tau %.2f; model: "
+        log.info("tree=auto%s chose depth=%d topk=%d total_tokens=%d%s: %.1f tok/s timed in the loop%s (tau %.2f; model: "
                  "%.1f tok/s; the model's first choice timed %.1f)%s (costs: %s)", at,
                  chosen.depth, chosen.topk, chosen.total_tokens,
                  f" + n-gram chains of {chain} tokens" if chain else " (no n-gram branches)" if hybrid else "",
-                 best["measured_tokens_per_s"], best.get("measured_tau", best["tau"]),
+                 best["measured_tokens_per_s"], " (capped at tau x plain decoding's)" if best.get("capped") else "",
+                 best.get("measured_tau", best["tau"]),
                  best.get("tokens_per_s", best["measured_tokens_per_s"]), first["measured_tokens_per_s"],
                  f" vs {plain['measured_tokens_per_s']:.1f} tok/s without drafting, timed beside it" if plain else "",
                  path)
