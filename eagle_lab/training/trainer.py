@@ -33,6 +33,7 @@ from eagle_lab.training.corpus_sources import features_root, open_corpus_sources
 from eagle_lab.training.corpus_layout import Split
 from eagle_lab.training.data import build_datasets
 from eagle_lab.training.draft_vocab import draft_vocabulary, supervised_counts
+from eagle_lab.training.host_memory import reuse_freed_memory
 from eagle_lab.training.deepspeed_setup import deepspeed_config, init_distributed, lr_lambda
 from eagle_lab.training.features import Example, features_key
 from eagle_lab.training.global_batch import global_batch_step
@@ -385,6 +386,7 @@ def run(raw: DictConfig, command: str = "") -> Path | None:
     cfg: TrainConfig = to_object(raw, TrainConfig)
     if not cfg.run_dir:
         raise EagleLabError("run_dir is empty")
+    reuse_freed_memory()
     recipe = Recipe(cfg, command)
     recipe.setup()
     if cfg.trainer.capture_only:

