@@ -3,10 +3,9 @@
 glibc's malloc serves every block above its mmap threshold (at most 32 MB) with a fresh mmap and returns it with
 munmap on free; the next allocation of that size faults in new pages, which the kernel zeroes first. A CPU
 training step allocates and frees dozens of such tensors (EAGLE-3's draft logits and their gradients, [B, T, 8192]
-float32: 134 MB each at 4 x 1,024 tokens), so `perf` found about a fifth of the step in page faults and page
-zeroing (`clear_page_erms` alone 11.5%). With large blocks taken from the heap and the heap never trimmed, freed
-blocks are reused as they are: EAGLE-3 training on 2 cores went from 572-581 to 955-986 tokens/s, resident memory
-7.5 GB against a peak of 8.0 before. Elsewhere (musl, macOS, Windows) nothing changes.
+float32: 134 MB each at 4 x 1,024 tokens), so about a fifth of a CPU step went to page faults and page zeroing.
+With large blocks taken from the heap and the heap never trimmed, freed blocks are reused as they are (the
+measurement: docs/design-training.md, "Speed on CPU"). Elsewhere (musl, macOS, Windows) nothing changes.
 """
 
 from __future__ import annotations
