@@ -79,12 +79,17 @@ def candidates_to_time(ranked: list[dict], fixed: TreeShape) -> list[dict]:
     head tree of at most SMALL_TREE_TOKENS draft tokens when none of the others is that small (a round's
     overhead is fitted as a residual that the same drift inflates, and an overpriced round favours larger
     trees); and plain decoding (with_plain)."""
+    def runs_head(row: dict) -> bool:
+        return row["shape"]["depth"] > 0
+
+    def small(row: dict) -> bool:
+        return runs_head(row) and row["shape"]["total_tokens"] <= SMALL_TREE_TOKENS
+
     rows = ranked[:VALIDATE_TOP]
-    head_rows = [r for r in ranked if r["shape"]["depth"] > 0]
-    if not any(r["shape"]["depth"] > 0 for r in rows):
-        rows = rows + head_rows[:1]
-    if not any(0 < r["shape"]["total_tokens"] <= SMALL_TREE_TOKENS and r["shape"]["depth"] > 0 for r in rows):
-        rows = rows + [r for r in head_rows if r["shape"]["total_tokens"] <= SMALL_TREE_TOKENS][:1]
+    if not any(map(runs_head, rows)):
+        rows = rows + [r for r in ranked if runs_head(r)][:1]
+    if not any(map(small, rows)):
+        rows = rows + [r for r in ranked if small(r)][:1]
     return with_plain(rows, fixed)
 
 
