@@ -170,6 +170,9 @@ class TrainerConfig:
     save_every: int = 200
     keep_checkpoints: int = 2
     resume: bool = False
+    # start from a trained EAGLE head's weights and draft vocabulary (fine-tuning, e.g. on the target's own
+    # replies); the optimizer and the schedule start fresh. "" = a new head
+    init_from: str = ""
     stop_at: int = 0  # stop (checkpointed) after this step in this run, e.g. to time-box a run
     time_limit_min: float = 0.0  # stop (checkpointed) after this many minutes; 0 = no limit
     group_by_length: bool = True  # batch sequences of similar length (less padding, same epochs)

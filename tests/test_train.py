@@ -289,3 +289,43 @@ def test_ranks_wait_at_collectives_as_long_as_configured(monkeypatch):
     assert seen["dist_backend"] == "gloo" and seen["timeout"].total_seconds() == 90 * 60
     cfg = to_object(composed("train", ["run_dir=/tmp/x"]), TrainConfig)
     assert cfg.deepspeed.timeout_min == 360  # DeepSpeed's own 10 min ended ranks that finished regeneration early
+
+
+def test_training_can_start_from_a_trained_head(tmp_path):
+    """trainer.init_from: the new run begins with the given head's weights and draft vocabulary (not one built
+    from its own data), trains on, and its card names where it started."""
+    from eagle_lab.training.trainer import Recipe
+
+    first = Recipe(smoke_cfg(tmp_path / "a", "head.draft_vocab_size=128", "trainer.max_steps=3"))
+    first.setup()
+    first.train()
+    start = first.export()
+    trained = load_head(start, first.target)
+
+    cfg = smoke_cfg(tmp_path / "b", f"trainer.init_from={start}", "head.draft_vocab_size=256",
+                    "data.num_conversations=16", "trainer.max_steps=2")
+    recipe = Recipe(cfg)
+    recipe.setup()
+    assert torch.equal(recipe.head.draft_to_target, trained.draft_to_target)  # 128 ids, not 256 from this data
+    for name, value in trained.state_dict().items():
+        assert torch.equal(recipe.head.state_dict()[name], value.float()), name
+    recipe.train()
+    assert recipe.step == 2
+    moved = [name for name, value in trained.state_dict().items()
+             if value.is_floating_point() and not torch.equal(recipe.head.state_dict()[name], value.float())]
+    assert moved  # the steps trained it further
+    card = json.loads((recipe.export() / "card.json").read_text())
+    assert card["recipe"]["init_from"] == str(start.resolve())
+
+
+def test_init_from_refuses_a_head_of_another_kind(tmp_path):
+    from eagle_lab.training.trainer import Recipe
+
+    first = Recipe(smoke_cfg(tmp_path / "a", "head.draft_vocab_size=128", "trainer.max_steps=1"))
+    first.setup()
+    first.train()
+    start = first.export()
+    with pytest.raises(EagleLabError, match="eagle2 head, but head.kind=eagle3"):
+        Recipe(smoke_cfg(tmp_path / "b", "head=eagle3", f"trainer.init_from={start}")).setup()
+    with pytest.raises(EagleLabError, match="init_from"):
+        Recipe(smoke_cfg(tmp_path / "c", "head=draft_lm", "head.ttt_steps=1", f"trainer.init_from={start}")).setup()

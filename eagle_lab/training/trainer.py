@@ -89,12 +89,17 @@ class Recipe:
         if cfg.trainer.eval_only:
             self.head = self._trained_head()
             return
-        counts = supervised_counts(supervised(), self.target.vocab_size)
-        vocab_ids = draft_vocabulary(counts, cfg.head.draft_vocab_size, set(self.target.eos_token_ids))
         self._set_max_steps()
         if self.rank == 0:
             OmegaConf.save(OmegaConf.structured(cfg), self.run_dir / "resolved_config.yaml")
-        self.head = new_trainable(self.target, cfg.head, vocab_ids, self.device).train()
+        if cfg.trainer.init_from:
+            self.head = self._trained_head(cfg.trainer.init_from).train()
+            log.info("starting from the head at %s (its draft vocabulary of %d tokens kept)", cfg.trainer.init_from,
+                     draft_vocab_size(self.head))
+        else:
+            counts = supervised_counts(supervised(), self.target.vocab_size)
+            vocab_ids = draft_vocabulary(counts, cfg.head.draft_vocab_size, set(self.target.eos_token_ids))
+            self.head = new_trainable(self.target, cfg.head, vocab_ids, self.device).train()
         self._init_engine()
 
     def _validate(self) -> None:
@@ -118,6 +123,9 @@ class Recipe:
                                       or cfg.head.path in ("", "random")):
             raise EagleLabError("trainer.eval_only evaluates a trained EAGLE head: set head.path=<head directory> "
                                 "(head.kind eagle2 or eagle3) and leave trainer.capture_only off")
+        if cfg.trainer.init_from and (cfg.trainer.eval_only or cfg.head.kind not in ("eagle2", "eagle3")):
+            raise EagleLabError("trainer.init_from starts training from a trained EAGLE head (head.kind eagle2 or "
+                                "eagle3); trainer.eval_only evaluates head.path instead")
         if cfg.data.add_regenerated < 0 or (cfg.data.add_regenerated > 0 and (
                 cfg.data.regenerate.enabled or cfg.data.eval_conversations == 0)):
             raise EagleLabError("data.add_regenerated=N mixes the target's replies to N conversations into a feature "
@@ -141,16 +149,17 @@ class Recipe:
             return None
         return target_rewrite(self.target, self.cfg.data, self.rank, self.world, self._barrier, self._autocast)
 
-    def _trained_head(self):
-        """trainer.eval_only: the head at head.path, in the dtype training evaluates in."""
+    def _trained_head(self, path: str = ""):
+        """The head at `path` (trainer.init_from) or head.path (trainer.eval_only), in float32: the dtype
+        training keeps its weights in."""
         from eagle_lab.drafters.eagle.layouts import load_head
 
-        head = load_head(self.cfg.head.path, self.target)
+        option = "trainer.init_from" if path else "head.path"
+        head = load_head(path or self.cfg.head.path, self.target)
         if head.arch.kind != self.cfg.head.kind:
-            raise EagleLabError(f"head.path holds a {head.arch.kind} head, but head.kind={self.cfg.head.kind}: "
+            raise EagleLabError(f"{option} holds a {head.arch.kind} head, but head.kind={self.cfg.head.kind}: "
                                 f"pass head={head.arch.kind}")
-        head = head.to(self.device)
-        return head.float() if self.device.type == "cpu" else head
+        return head.to(self.device).float()
 
     def evaluate_only(self) -> dict[str, float]:
         """Held-out top-1 of the head at head.path, written to <run_dir>/eval.json."""
@@ -371,7 +380,8 @@ class Recipe:
                   **({"parts": self.train_parts} if self.train_parts else {})},
             recipe={"lr": cfg.optim.lr, "global_batch": per_step, "warmup_steps": cfg.optim.warmup_steps,
                     "min_lr_ratio": cfg.optim.min_lr_ratio, "epochs": tcfg.epochs,
-                    "intermediate_size": cfg.head.intermediate_size, "ttt_steps": cfg.head.ttt_steps},
+                    "intermediate_size": cfg.head.intermediate_size, "ttt_steps": cfg.head.ttt_steps,
+                    **({"init_from": str(Path(tcfg.init_from).expanduser().resolve())} if tcfg.init_from else {})},
             command=self.command or "python train.py (overrides not recorded)")
 
     def _log(self, record: dict) -> None:
