@@ -291,3 +291,41 @@ def test_each_reply_is_reported_as_it_ends(tiny_llama, rows, tmp_path):
     assert len(heard) == 3 and sum(heard) == writer.generated_tokens > 0
     rewritten = regenerate_conversations(writer_for(tiny_llama, batch_size=2, rows=rows), CONVERSATIONS, tmp_path)
     assert len(rewritten) == 3 and all(c is not None for c in rewritten)  # with the live progress line on
+
+
+def test_replies_can_come_from_the_target_at_its_serving_precision(tmp_path, monkeypatch):
+    """data.regenerate.weights=w8a8: each reply is the greedy continuation of the target loaded with w8a8
+    weights, and the replies are cached apart from the training target's (whose cache key stays as it was)."""
+    from eagle_lab.config import TrainConfig, to_object
+    from eagle_lab.models.target import TargetConfig, load_target
+    from eagle_lab.training.trainer import Recipe
+    from tests.test_train import composed
+
+    monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path / "cache"))
+    base = ["experiment=smoke", "data.num_conversations=6", "trainer.max_steps=1", "trainer.eval_every=100",
+            "data.regenerate.enabled=true", "data.regenerate.max_new_tokens=12", "data.regenerate.batch_size=8"]
+    written = tmp_path / "cache" / "regenerated"
+
+    def regenerate(name: str, *extra: str) -> set:
+        before = set(written.iterdir()) if written.is_dir() else set()
+        Recipe(to_object(composed("train", [*base, f"run_dir={tmp_path / name}", *extra]), TrainConfig)).setup()
+        return set(written.iterdir()) - before
+
+    (quantized,) = regenerate("w8a8", "data.regenerate.weights=w8a8")
+    (plain,) = regenerate("plain")
+    assert plain != quantized
+
+    target = load_target(TargetConfig(name="tiny_llama", source="tiny", device="cpu", weights="w8a8"))
+    writer = writer_for(target)
+    conversations = [c for p in sorted((quantized / "train").glob("chunk-*.json"))
+                     for c in json.loads(p.read_text())["conversations"] if c]
+    assert conversations
+    for conversation in conversations:
+        prompt = torch.tensor(writer.prompt_ids(conversation[:-1]))
+        greedy = generate(vanilla_decode(target, prompt, SamplingParams(), Stopper(target.tokenizer, 12,
+                                                                                     writer.eos_ids)))
+        reply = [t for t in greedy.token_ids if t not in writer.eos_ids]
+        assert conversation[-1]["content"] == target.tokenizer.decode(reply, skip_special_tokens=True).strip()
+
+    with pytest.raises(EagleLabError, match="data.regenerate.weights must be"):
+        RegenerateConfig(enabled=True, weights="int3").validate()

@@ -40,6 +40,7 @@ from eagle_lab.decoding.backend import StaticBackend
 from eagle_lab.decoding.batch_generate import generate_on_rows, grouped_query_sdpa
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.models.embedded import cache_root
+from eagle_lab.models.stable_linear import WEIGHTS
 from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.target import Target
@@ -61,6 +62,10 @@ class RegenerateConfig:
     rows: int = 32  # sequences decoded together on a static cache; 0: Hugging Face generate per chunk
     group_chunks: int = 8  # chunks decoded together on the rows (written as each group ends)
     samples: int = 1  # replies per training conversation, each with its own seed (> 1 needs temperature > 0)
+    # "" = the replies come from the training target as loaded; a target.weights name (auto, w4a8, ...) = from the
+    # target loaded again on CPU with its linear layers stored that way: how it decodes when served, and on 32 rows
+    # about twice the bf16 target's reply rate (docs/design-training.md, "Self-distillation")
+    weights: str = ""
 
     def validate(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.max_turns < 0 or self.block_conversations < 1 \
@@ -70,6 +75,9 @@ class RegenerateConfig:
         if self.samples < 1 or (self.samples > 1 and self.temperature == 0):
             raise EagleLabError(f"data.regenerate.samples must be >= 1, and > 1 only with temperature > 0 (greedy "
                                 f"replies repeat), got samples={self.samples}, temperature={self.temperature}")
+        if self.weights and self.weights not in ("auto", *WEIGHTS):
+            raise EagleLabError(f"data.regenerate.weights must be empty (the training target) or one of auto, "
+                                f"{', '.join(WEIGHTS)}, got '{self.weights}'")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise EagleLabError(f"data.regenerate needs temperature >= 0 and 0 < top_p <= 1, got "
                                 f"temperature={self.temperature}, top_p={self.top_p}")
@@ -78,7 +86,8 @@ class RegenerateConfig:
 def regenerate_key(target_name: str, source: dict, cfg: RegenerateConfig) -> str:
     """Cache key: the target (and its dtype, in `source`), where the conversations came from and
     how they are rewritten; not how many, so every size shares one directory."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("enabled", "rows", "group_chunks")}  # how, not what
+    # how, not what; the writing target's weights are in `source`
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("enabled", "rows", "group_chunks", "weights")}
     if settings["samples"] == 1:
         del settings["samples"]  # one reply per conversation: the layout keys written before samples existed
     blob = json.dumps({"target": target_name, "source": source, "regenerate": settings, "layout": 2}, sort_keys=True)
@@ -242,12 +251,16 @@ class TargetRewrite:
 
 def target_rewrite(target: Target, data, rank: int = 0, world: int = 1, barrier: Callable[[], None] = lambda: None,
                    autocast=contextlib.nullcontext) -> TargetRewrite:
-    """The rewrite for `data` (a DataConfig with regenerate enabled), cached under
-    <cache>/regenerated/<key>: the key holds the target and its dtype, the source and the settings."""
+    """The rewrite for `data` (a DataConfig with regenerate enabled) by `target` (the training target, or the one
+    data.regenerate.weights loads), cached under <cache>/regenerated/<key>: the key holds the target, its dtype and
+    weights, the source and the settings."""
     data.regenerate.validate()
     source = {"source": data.source, "path": data.path, "max_length": data.max_length, "dtype": str(target.dtype)}
+    if data.regenerate.weights:
+        source["weights"] = target.weights
     directory = cache_root() / "regenerated" / regenerate_key(target.name, source, data.regenerate)
-    log.info("regenerate: replies by the target, cached in %s", directory)
+    how = f" ({target.weights} weights)" if data.regenerate.weights else ""
+    log.info("regenerate: replies by the target%s, cached in %s", how, directory)
     rows = reply_rows(target, data.regenerate.rows, data.max_length)
     writer = ReplyWriter(target, data.regenerate, data.max_length, autocast=autocast, rows=rows)
     return TargetRewrite(writer, directory, rank, world, barrier)

@@ -147,7 +147,18 @@ class Recipe:
         shared by every later run."""
         if not (self.cfg.data.regenerate.enabled if regenerated is None else regenerated):
             return None
-        return target_rewrite(self.target, self.cfg.data, self.rank, self.world, self._barrier, self._autocast)
+        if not self.cfg.data.regenerate.weights:
+            return target_rewrite(self.target, self.cfg.data, self.rank, self.world, self._barrier, self._autocast)
+        return target_rewrite(self._reply_target(), self.cfg.data, self.rank, self.world, self._barrier)
+
+    def _reply_target(self):
+        """data.regenerate.weights: the target loaded again on CPU in float32 with its linear layers stored that
+        way (e.g. w4a8, how the embedded target is served), to write the replies."""
+        weights = self.cfg.data.regenerate.weights
+        if self.device.type != "cpu":
+            raise EagleLabError(f"data.regenerate.weights={weights} writes the replies on CPU, but training runs "
+                                f"on {self.device.type}: leave it empty to reply with the training target")
+        return load_target(replace(self.cfg.target, device="cpu", dtype="float32", weights=weights))
 
     def _trained_head(self, path: str = ""):
         """The head at `path` (trainer.init_from) or head.path (trainer.eval_only), in float32: the dtype
