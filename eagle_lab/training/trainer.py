@@ -27,6 +27,7 @@ from eagle_lab.errors import EagleLabError
 from eagle_lab.drafters.eagle.head import draft_lm_head_weight
 from eagle_lab.models.target import load_target
 from eagle_lab.training import checkpoint as ckpt
+from eagle_lab.training.config_checks import check_train_config
 from eagle_lab.training.batches import ExampleSource, collate, epoch_order
 from eagle_lab.training.corpus import CorpusStore, capture_split
 from eagle_lab.training.corpus_sources import features_root, open_corpus_sources
@@ -40,7 +41,7 @@ from eagle_lab.training.global_batch import global_batch_step
 from eagle_lab.training.losses import Batch, heldout_accuracy, prediction_steps
 from eagle_lab.training.regenerate import target_rewrite
 from eagle_lab.training.stop import GracefulStop
-from eagle_lab.training.trainable import (check_kind, draft_vocab_size, export_trainable, new_trainable,
+from eagle_lab.training.trainable import (draft_vocab_size, export_trainable, new_trainable,
                                          trainable_parameters, trained_dtype)
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class Recipe:
 
     def setup(self) -> None:
         cfg = self.cfg
-        self._validate()
+        check_train_config(cfg)
         if ckpt.latest_checkpoint(self.ckpt_dir) and not (cfg.trainer.resume or cfg.trainer.capture_only
                                                           or cfg.trainer.eval_only):
             raise EagleLabError(f"{self.run_dir} already has checkpoints: pass trainer.resume=true to continue, "
@@ -101,37 +102,6 @@ class Recipe:
             vocab_ids = draft_vocabulary(counts, cfg.head.draft_vocab_size, set(self.target.eos_token_ids))
             self.head = new_trainable(self.target, cfg.head, vocab_ids, self.device).train()
         self._init_engine()
-
-    def _validate(self) -> None:
-        cfg = self.cfg
-        if cfg.deepspeed.timeout_min <= 0:
-            raise EagleLabError(f"deepspeed.timeout_min must be > 0, got {cfg.deepspeed.timeout_min}")
-        if cfg.trainer.features not in ("offline", "online"):
-            raise EagleLabError(f"trainer.features must be offline or online, got '{cfg.trainer.features}'")
-        if cfg.trainer.max_steps < 1 or cfg.trainer.micro_batch_size < 1 or cfg.trainer.grad_accum < 1:
-            raise EagleLabError("trainer.max_steps, micro_batch_size and grad_accum must be >= 1")
-        if cfg.trainer.epochs < 0:
-            raise EagleLabError(f"trainer.epochs must be >= 0 (0: use trainer.max_steps), got {cfg.trainer.epochs}")
-        if cfg.trainer.cpu_autocast not in ("auto", "on", "off"):
-            raise EagleLabError(f"trainer.cpu_autocast must be auto, on or off, got '{cfg.trainer.cpu_autocast}'")
-        if cfg.trainer.capture_layers not in ("auto", "eagle3"):
-            raise EagleLabError(f"trainer.capture_layers must be auto or eagle3, got '{cfg.trainer.capture_layers}'")
-        check_kind(cfg.head)
-        if cfg.data.eval_conversations < 0 or cfg.data.shard_conversations < 1:
-            raise EagleLabError("data.eval_conversations must be >= 0 and data.shard_conversations >= 1")
-        if cfg.trainer.eval_only and (cfg.trainer.capture_only or cfg.head.kind not in ("eagle2", "eagle3")
-                                      or cfg.head.path in ("", "random")):
-            raise EagleLabError("trainer.eval_only evaluates a trained EAGLE head: set head.path=<head directory> "
-                                "(head.kind eagle2 or eagle3) and leave trainer.capture_only off")
-        if cfg.trainer.init_from and (cfg.trainer.eval_only or cfg.head.kind not in ("eagle2", "eagle3")):
-            raise EagleLabError("trainer.init_from starts training from a trained EAGLE head (head.kind eagle2 or "
-                                "eagle3); trainer.eval_only evaluates head.path instead")
-        if cfg.data.add_regenerated < 0 or (cfg.data.add_regenerated > 0 and (
-                cfg.data.regenerate.enabled or cfg.data.eval_conversations == 0)):
-            raise EagleLabError("data.add_regenerated=N mixes the target's replies to N conversations into a feature "
-                                "corpus of the source's own (data.eval_conversations > 0, data.regenerate.enabled=false)")
-        if cfg.data.eval_conversations > 0 and cfg.trainer.features != "offline":
-            raise EagleLabError("data.eval_conversations > 0 (the shared feature corpus) needs trainer.features=offline")
 
     def _set_max_steps(self) -> None:
         """trainer.epochs > 0: as many steps as that many passes over the training set take."""
