@@ -64,7 +64,7 @@ class RegenerateConfig:
     samples: int = 1  # replies per training conversation, each with its own seed (> 1 needs temperature > 0)
     # "" = the replies come from the training target as loaded; a target.weights name (auto, w4a8, ...) = from the
     # target loaded again on CPU with its linear layers stored that way: how it decodes when served, and on 32 rows
-    # about twice the bf16 target's reply rate (docs/design-training.md, "Self-distillation")
+    # 3x the bf16 target's reply rate with w4a8 (docs/design-training.md, "At the served precision")
     weights: str = ""
 
     def validate(self) -> None:
