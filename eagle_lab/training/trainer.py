@@ -362,7 +362,7 @@ class Recipe:
             recipe={"lr": cfg.optim.lr, "global_batch": per_step, "warmup_steps": cfg.optim.warmup_steps,
                     "min_lr_ratio": cfg.optim.min_lr_ratio, "epochs": tcfg.epochs,
                     "intermediate_size": cfg.head.intermediate_size, "ttt_steps": cfg.head.ttt_steps,
-                    **({"init_from": str(Path(tcfg.init_from).expanduser().resolve())} if tcfg.init_from else {})},
+                    **({"init_from": tcfg.init_from} if tcfg.init_from else {})},
             command=self.command or "python train.py (overrides not recorded)")
 
     def _log(self, record: dict) -> None:
