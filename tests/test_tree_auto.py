@@ -454,7 +454,8 @@ def test_the_best_head_tree_is_timed_even_when_the_model_ranks_it_low():
 
     ranked = [row(0, 0, 200), row(0, 2, 199), row(0, 3, 198), row(0, 4, 197), row(2, 0, 160), row(1, 0, 150)]
     rows = candidates_to_time(ranked, TreeShape(0, 0, 0))
-    assert [(r["shape"]["depth"], r["ngram_tokens"]) for r in rows] == [(0, 0), (0, 2), (0, 3), (2, 0)]
+    # the best head row, then the one-token chain (the smallest head tree)
+    assert [(r["shape"]["depth"], r["ngram_tokens"]) for r in rows] == [(0, 0), (0, 2), (0, 3), (2, 0), (1, 0)]
     head_first = [row(1, 0, 210), *ranked[1:]]  # a head tree on top, plain decoding not among the best three
     rows = candidates_to_time(head_first, TreeShape(0, 0, 0))
     assert len(rows) == VALIDATE_TOP + 1 and rows[-1]["shape"]["depth"] == 0 and not rows[-1].get("ngram_tokens")
@@ -471,8 +472,9 @@ def test_the_best_small_head_tree_is_timed_beside_larger_ones():
     ranked = [row(3, 8, 200), row(3, 6, 199), row(2, 4, 198), row(2, 2, 150), row(1, 1, 149), row(0, 0, 140)]
     rows = candidates_to_time(ranked, TreeShape(0, 0, 0))
     totals = [r["shape"]["total_tokens"] for r in rows]
-    assert totals == [8, 6, 4, 2, 0] and SMALL_TREE_TOKENS == 2
+    assert totals == [8, 6, 4, 1, 0] and SMALL_TREE_TOKENS == 1
     assert [r["shape"]["total_tokens"] for r in candidates_to_time(ranked[2:], TreeShape(0, 0, 0))] == [4, 2, 1, 0]
+    assert [r["shape"]["total_tokens"] for r in candidates_to_time(ranked[:4], TreeShape(0, 0, 0))] == [8, 6, 4, 0]
 
 
 def test_no_drafting_row_is_credited_with_more_than_its_tau_over_plain_decoding():

@@ -22,7 +22,7 @@ from eagle_lab.tree_search.costs import CostModel
 
 
 VALIDATE_TOP = 3  # the model's best shapes timed in the decoding loop before one is chosen
-SMALL_TREE_TOKENS = 2  # the best head tree of at most this many draft tokens is always timed too
+SMALL_TREE_TOKENS = 1  # the best head tree of at most this many draft tokens is always timed too
 
 
 TIMING_PASSES = 2  # each prompt decoded this many times by each candidate; the fastest pass counts
@@ -76,9 +76,9 @@ def candidates_to_time(ranked: list[dict], fixed: TreeShape) -> list[dict]:
     """The model's VALIDATE_TOP best rows; the best row that runs the head when none of those does (n-gram
     rows and plain decoding are priced from timed rounds, head trees from their parts, so the model can
     rank every head tree below them on a machine whose speed drifted while the parts were timed); the best
-    head tree of at most SMALL_TREE_TOKENS draft tokens when none of the others is that small (a round's
-    overhead is fitted as a residual that the same drift inflates, and an overpriced round favours larger
-    trees); and plain decoding (with_plain)."""
+    head tree of at most SMALL_TREE_TOKENS draft tokens when none of the others is that small (the one-token
+    chain: the head tree that pays at the lowest tau, which a model whose overhead is a residual fitted in a
+    slow or fast minute can rank below larger trees); and plain decoding (with_plain)."""
     def runs_head(row: dict) -> bool:
         return row["shape"]["depth"] > 0
 
