@@ -130,3 +130,48 @@ def test_packages_are_keyed_by_the_ops_tags_too(tmp_path, monkeypatch):
         assert native.op_schemas() == (attention[0].replace("{at::Tag::flexible_layout}", "{}"),)  # another key
     finally:
         native.op_schemas.cache_clear()
+
+
+CHILD = """
+import sys, time, torch
+from eagle_lab.decoding.backend import StaticBackend
+from eagle_lab.decoding.generate import Stopper, generate, vanilla_decode
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import Target
+from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
+model = build_tiny_model(TinyModelConfig(family="llama", seed=0), vocab_size=byte_tokenizer().vocab_size)
+target = Target(model, byte_tokenizer(), name="tiny_llama")
+backend = StaticBackend(target, [1], 64, compiled=True, min_attended_length=0, build=False)
+prompt = torch.tensor(target.tokenizer.encode("Packages outlive the process."))
+generate(vanilla_decode(target, prompt, SamplingParams(), Stopper(target.tokenizer, 4, set()), backend=backend))
+assert backend._steps._graphs and not backend._steps._missing
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_what_a_killed_process_unpacked_is_removed_once_it_has_ended(store_dir, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from eagle_lab.decoding.package_extractions import remove_orphaned_extractions
+
+    target = tiny()
+    greedy(target, backend_for(target, build=True))  # the packages the child loads
+    private = tmp_path / "temporary"
+    private.mkdir()
+    env = {**os.environ, "TMPDIR": str(private), "EAGLE_LAB_CACHE": str(store_dir.parent)}
+    child = subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        unpacked = list(private.glob("aotinductor_*"))
+        assert unpacked  # torch unpacked the package where TMPDIR points
+        assert remove_orphaned_extractions([private], min_age_s=0) == (0, 0)  # mapped by a live process
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert all(d.exists() for d in unpacked)  # a killed process cleans nothing up
+    removed, freed = remove_orphaned_extractions([private], min_age_s=0)
+    assert removed == len(unpacked) and freed > 0
+    assert not list(private.glob("aotinductor_*"))

@@ -27,6 +27,8 @@ instead of loaded; a package that fails to load is rebuilt too.
 So an upgrade leaves the packages of the old code behind. A load stamps its package's modification time,
 which is then the time it was last used, and `python -m eagle_lab.decoding.graph_store
 [unused_days=14] [dry_run=false]` removes the packages no process has loaded for that many days.
+Loading a package unpacks it into the temporary directory; what stopped processes left there is removed
+by the next process (eagle_lab/decoding/package_extractions.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from eagle_lab.decoding.package_extractions import remove_orphaned_extractions, remove_orphans_once
 from eagle_lab.errors import key_values
 from eagle_lab.models.device import cpu_features
 from eagle_lab.models.embedded import cache_root
@@ -175,6 +178,7 @@ class GraphStore:
         path = self.path(key)
         if not path.is_file():
             return None
+        remove_orphans_once()  # what killed processes left unpacked in the temporary directory
         try:
             runner = torch._inductor.aoti_load_package(str(path))
             if self.frozen:
@@ -294,6 +298,10 @@ def main(argv: list[str]) -> None:
         if dry_run == "false":
             f.unlink()
     count, left = store.summary()
+    if dry_run == "false":
+        unpacked, freed = remove_orphaned_extractions()
+        print(f"{unpacked} unpacked copies left by stopped processes removed from the temporary directory "
+              f"({freed / 1e6:.0f} MB)")
     print(f"{len(old)} packages unused for {days:g} days ({size / 1e6:.0f} MB) "
           f"{'found' if dry_run == 'true' else 'removed'}; {count} left in {store.root} ({left / 1e6:.0f} MB)")
 
