@@ -161,6 +161,18 @@ inline int64_t visible_keys(int64_t S, const Mask& m, int64_t b, int64_t t, int3
   return n;
 }
 
+// x[r] = factor * x[r] + bias[r], 16 at a time (a short last block goes through the same vector arithmetic).
+inline void scale_and_bias(float* x, const float* bias, int64_t n, float factor) {
+  for (int64_t r0 = 0; r0 < n; r0 += 16) {
+    float scores16[16] = {}, bias16[16] = {};
+    const int64_t count = std::min<int64_t>(16, n - r0);
+    std::memcpy(scores16, x + r0, count * sizeof(float));
+    std::memcpy(bias16, bias + r0, count * sizeof(float));
+    const f32x16 y = load16(scores16) * factor + load16(bias16);
+    std::memcpy(x + r0, &y, count * sizeof(float));
+  }
+}
+
 // x[r] = factor * (q . k[idx[r]]) + bias[r] for the n visible keys; each key's dot product in one fixed order
 // (16-lane partial products over d, then the lanes), whatever the keys beside it.
 inline void visible_scores(const float* q, int64_t D, const float* k, int64_t k_stride, const int32_t* idx,
@@ -178,14 +190,7 @@ inline void visible_scores(const float* q, int64_t D, const float* k, int64_t k_
   {
     for (int64_t r = 0; r < n; ++r) x[r] = dot(q, k + idx[r] * k_stride, D);
   }
-  for (int64_t r0 = 0; r0 < n; r0 += 16) {  // a short last block goes through the same vector arithmetic
-    float scores16[16] = {}, bias16[16] = {};
-    const int64_t count = std::min<int64_t>(16, n - r0);
-    std::memcpy(scores16, x + r0, count * sizeof(float));
-    std::memcpy(bias16, bias + r0, count * sizeof(float));
-    const f32x16 y = load16(scores16) * factor + load16(bias16);
-    std::memcpy(x + r0, &y, count * sizeof(float));
-  }
+  scale_and_bias(x, bias, n, factor);
 }
 
 // x[0, n) -> exp(x - max) in place; returns their sum: rank r adds into lane r % 16, then the lanes.
@@ -219,45 +224,83 @@ inline float softmax_numerators(float* x, int64_t n) {
   return lanes_sum(lanes);
 }
 
-// out = sum_r p[r] v[idx[r]] / total with D = 16 * NV: two accumulators per 16 lanes in registers, one for even
-// ranks and one for odd ranks (two FMA chains in flight), added at the end.
+// out = sum_r p[r] v[idx[r]] / total with D = 16 * NV: two accumulators per 16 lanes, one for even ranks and one
+// for odd ranks (two FMA chains in flight), added at the end. `Chains` holds them between blocks of ranks, so that
+// the queries sharing a key/value head can take turns over a block whose value rows are in L1, each query's sum
+// running over r in the order of a single pass over all ranks.
 template <int NV>
-inline void weighted_values(const float* p, const int32_t* idx, int64_t n, const float* vb, int64_t v_stride,
-                            float total, float* out) {
-  f32x16 even[NV], odd[NV];  // the chains as separate arrays, so they stay in registers
-  for (int j = 0; j < NV; ++j) even[j] = odd[j] = f32x16{};
-  int64_t r = 0;
-  for (; r + 1 < n; r += 2) {
-    const float* ve = vb + idx[r] * v_stride;
-    const float* vo = vb + idx[r + 1] * v_stride;
+struct Chains {
+  f32x16 even[NV], odd[NV];
+  Chains() {
+    for (int j = 0; j < NV; ++j) even[j] = odd[j] = f32x16{};
+  }
+  // ranks [r0, r1) with r0 even
+  ALWAYS_INLINE void add(const float* p, const int32_t* idx, int64_t r0, int64_t r1, const float* vb,
+                         int64_t v_stride) {
+    f32x16 e[NV], o[NV];  // in registers for the block
+    for (int j = 0; j < NV; ++j) e[j] = even[j], o[j] = odd[j];
+    int64_t r = r0;
+    for (; r + 1 < r1; r += 2) {
+      const float* ve = vb + idx[r] * v_stride;
+      const float* vo = vb + idx[r + 1] * v_stride;
+      for (int j = 0; j < NV; ++j) {
+        e[j] += p[r] * load16(ve + 16 * j);
+        o[j] += p[r + 1] * load16(vo + 16 * j);
+      }
+    }
+    if (r < r1) {
+      const float* ve = vb + idx[r] * v_stride;
+      for (int j = 0; j < NV; ++j) e[j] += p[r] * load16(ve + 16 * j);
+    }
+    for (int j = 0; j < NV; ++j) even[j] = e[j], odd[j] = o[j];
+  }
+  ALWAYS_INLINE void store(float total, float* out) const {
     for (int j = 0; j < NV; ++j) {
-      even[j] += p[r] * load16(ve + 16 * j);
-      odd[j] += p[r + 1] * load16(vo + 16 * j);
+      const f32x16 v = (even[j] + odd[j]) / total;
+      std::memcpy(out + 16 * j, &v, sizeof v);
     }
   }
-  if (r < n) {
-    const float* ve = vb + idx[r] * v_stride;
-    for (int j = 0; j < NV; ++j) even[j] += p[r] * load16(ve + 16 * j);
-  }
-  for (int j = 0; j < NV; ++j) {
-    const f32x16 o = (even[j] + odd[j]) / total;
-    std::memcpy(out + 16 * j, &o, sizeof o);
-  }
-}
+};
 
-inline void weighted_values_any(const float* p, const int32_t* idx, int64_t n, const float* vb, int64_t v_stride,
-                                float total, float* out, int64_t D) {
-  switch (D) {
-    case 16: weighted_values<1>(p, idx, n, vb, v_stride, total, out); return;
-    case 32: weighted_values<2>(p, idx, n, vb, v_stride, total, out); return;
-    case 64: weighted_values<4>(p, idx, n, vb, v_stride, total, out); return;
-    case 128: weighted_values<8>(p, idx, n, vb, v_stride, total, out); return;
-    default: break;
-  }
+// out = sum_r p[r] v[idx[r]] / total for a D without a vector form: one sum per d in increasing rank.
+inline void weighted_values_scalar(const float* p, const int32_t* idx, int64_t n, const float* vb, int64_t v_stride,
+                                   float total, float* out, int64_t D) {
   for (int64_t d = 0; d < D; ++d) {  // any other D: one sum in increasing rank
     float sum = 0.f;
     for (int64_t r = 0; r < n; ++r) sum += p[r] * vb[idx[r] * v_stride + d];
     out[d] = sum / total;
+  }
+}
+
+// Keys per block when the heads sharing a key/value head take turns: 64 keys and values of 64 floats are 32 KB,
+// in L1 for the turns after the first. A multiple of 16, so blocks cut the sums where one pass groups them anyway.
+constexpr int64_t KEY_BLOCK = 64;
+
+// The weighted values of `heads` queries over the same visible keys, a block of value rows at a time: each query's
+// chains run over r in one pass's order. False for a D without a vector form (the caller sums per query).
+template <int NV, class Scores, class Output>
+void values_in_blocks(Scores scores_of, const float* totals, int64_t heads, const int32_t* idx, int64_t n,
+                      const float* vb, int64_t v_stride, Output output_of) {
+  constexpr int64_t MAX_HEADS = 8;
+  for (int64_t h0 = 0; h0 < heads; h0 += MAX_HEADS) {
+    const int64_t count = std::min(MAX_HEADS, heads - h0);
+    Chains<NV> chains[MAX_HEADS];
+    for (int64_t r0 = 0; r0 < n; r0 += KEY_BLOCK)
+      for (int64_t i = 0; i < count; ++i)
+        chains[i].add(scores_of(h0 + i), idx, r0, std::min(n, r0 + KEY_BLOCK), vb, v_stride);
+    for (int64_t i = 0; i < count; ++i) chains[i].store(totals[h0 + i], output_of(h0 + i));
+  }
+}
+
+template <class Scores, class Output>
+bool values_by_block(int64_t D, Scores scores_of, const float* totals, int64_t heads, const int32_t* idx, int64_t n,
+                     const float* vb, int64_t v_stride, Output output_of) {
+  switch (D) {
+    case 16: values_in_blocks<1>(scores_of, totals, heads, idx, n, vb, v_stride, output_of); return true;
+    case 32: values_in_blocks<2>(scores_of, totals, heads, idx, n, vb, v_stride, output_of); return true;
+    case 64: values_in_blocks<4>(scores_of, totals, heads, idx, n, vb, v_stride, output_of); return true;
+    case 128: values_in_blocks<8>(scores_of, totals, heads, idx, n, vb, v_stride, output_of); return true;
+    default: return false;
   }
 }
 
@@ -297,20 +340,38 @@ at::Tensor stable_attention(const at::Tensor& query, const at::Tensor& key_in, c
   float* os = out.data_ptr<float>();
   const int64_t group = H / kvH;
   const float factor = static_cast<float>(scale);
-  // one task per (batch, query, head): its visible keys, their scores, the softmax and the weighted values
-  at::parallel_for(0, B * T * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> x(S + 4), bias(S);  // one query's visible keys (x: room for a last block of 4)
+  // One task per (batch, query, key/value head, run of its query heads): the run's heads see the same keys (one
+  // mask row), so the visible keys are found once and each block of keys and values is read into L1 once for all
+  // of them. Runs are as long as the group unless that leaves fewer than two tasks per thread.
+  int64_t per_task = group;
+  const int64_t threads = at::get_num_threads();
+  while (per_task > 1 && B * T * kvH * ((group + per_task - 1) / per_task) < 2 * threads)
+    per_task = (per_task + 1) / 2;
+  const int64_t runs = (group + per_task - 1) / per_task;
+  at::parallel_for(0, B * T * kvH * runs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(per_task * (S + 4)), bias(S), totals(per_task);  // x: per head, room for a block of 4
     std::vector<int32_t> idx(S);
     for (int64_t index = begin; index < end; ++index) {
-      const int64_t h = index % H, t = (index / H) % T, b = index / (H * T);
-      const float* qt = qs + ((b * H + h) * T + t) * D;  // [D]
-      const float* kb = ks + b * key.stride(0) + (h / group) * key.stride(1);
-      const float* vb = vs + b * value.stride(0) + (h / group) * value.stride(1);
+      const int64_t run = index % runs, g = (index / runs) % kvH, t = (index / (runs * kvH)) % T;
+      const int64_t b = index / (runs * kvH * T);
+      const int64_t h0 = g * group + run * per_task, heads = std::min(per_task, (g + 1) * group - h0);
+      const float* kb = ks + b * key.stride(0) + g * key.stride(1);
+      const float* vb = vs + b * value.stride(0) + g * value.stride(1);
       const int64_t n = visible_keys(S, m, b, t, idx.data(), bias.data());
       if (n == 0) continue;
-      visible_scores(qt, D, kb, key.stride(2), idx.data(), bias.data(), n, factor, x.data());
-      const float total = softmax_numerators(x.data(), n);
-      weighted_values_any(x.data(), idx.data(), n, vb, value.stride(2), total, os + ((b * T + t) * H + h) * D, D);
+      auto query_of = [&](int64_t i) { return qs + ((b * H + h0 + i) * T + t) * D; };  // [D]
+      auto output_of = [&](int64_t i) { return os + ((b * T + t) * H + h0 + i) * D; };
+      auto scores_of = [&](int64_t i) { return x.data() + i * (S + 4); };
+      for (int64_t r0 = 0; r0 < n; r0 += KEY_BLOCK) {  // scores, a block of keys at a time for every head
+        const int64_t count = std::min(KEY_BLOCK, n - r0);
+        for (int64_t i = 0; i < heads; ++i)
+          visible_scores(query_of(i), D, kb, key.stride(2), idx.data() + r0, bias.data() + r0, count, factor,
+                         scores_of(i) + r0);
+      }
+      for (int64_t i = 0; i < heads; ++i) totals[i] = softmax_numerators(scores_of(i), n);
+      if (!values_by_block(D, scores_of, totals.data(), heads, idx.data(), n, vb, value.stride(2), output_of))
+        for (int64_t i = 0; i < heads; ++i)
+          weighted_values_scalar(scores_of(i), idx.data(), n, vb, value.stride(2), totals[i], output_of(i), D);
     }
   });
   return out;
