@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def remove_orphaned_extractions(roots: list[Path] | None = None, min_age_s: floa
                 info = directory.stat()
             except OSError:
                 continue
-            if directory.is_dir() and info.st_uid == owner and now - info.st_mtime >= min_age_s and is_ours(directory):
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == owner and now - info.st_mtime >= min_age_s and is_ours(directory):
                 candidates.append(directory)
     if not candidates:
         return 0, 0
