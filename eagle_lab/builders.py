@@ -144,11 +144,11 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
     if not tree.auto:
         if not (tree.depth and tree.topk and tree.total_tokens):
             raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")
-        drafter = eagle_drafter(head, target, fixed, ngram, backend)
+        drafter = eagle_drafter(head, target, fixed, ngram, backend, tree.sampled_drafts)
         if getattr(backend, "buckets", None) and ngram is not None:  # keep hybrid trees within compiled sizes
             drafter.max_tree_tokens = max(max(backend.buckets), tree.total_tokens + 1)
         return drafter
-    drafter = eagle_drafter(head, target, TreeShape(4, 4, 12), ngram, backend)
+    drafter = eagle_drafter(head, target, TreeShape(4, 4, 12), ngram, backend, tree.sampled_drafts)
     quick = planned_tokens is not None and planned_tokens < tree.quick_below_tokens
     auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend, quick=quick, temperatures=temperatures,
               sampled_min_gain=tree.sampled_min_gain)
@@ -156,10 +156,11 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
 
 
 def eagle_drafter(head: EagleHead, target: Target, shape: TreeShape, ngram: NgramProposer | None,
-                   backend: Backend | None) -> EagleDrafter:
+                  backend: Backend | None, sampled_drafts: bool = True) -> EagleDrafter:
     """The head compiles when the target does; its cache is sized like the backend's static caches."""
     return EagleDrafter(head, target, shape, ngram, compiled=getattr(backend, "compiled", False),
-                        cache_capacity=getattr(backend, "min_capacity", 0), build=getattr(backend, "build", True))
+                        cache_capacity=getattr(backend, "min_capacity", 0), build=getattr(backend, "build", True),
+                        sampled_drafts=sampled_drafts)
 
 
 def ngram_proposer(cfg: NgramConfig) -> NgramProposer:

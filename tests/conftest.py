@@ -58,7 +58,8 @@ class OracleDrafter:
         pass
 
     @torch.no_grad()
-    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
+              sampling=None) -> DraftTree:
         depth = min(self.depth, max_depth)
         if depth < 1:
             return root_only_tree(int(sequence[-1]), sequence.device)
@@ -100,7 +101,8 @@ class NoisyDrafter:
         pass
 
     @torch.no_grad()
-    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
+              sampling=None) -> DraftTree:
         depth = min(self.depth, max_depth)
         tokens, parents, paths = [int(sequence[-1])], [-1], [[]]
         frontier = [0]

@@ -97,7 +97,7 @@ class EagleWithOracleTree:
     def reset(self):
         self.eagle.reset()
 
-    def draft(self, sequence, new_features, max_depth):
+    def draft(self, sequence, new_features, max_depth, sampling=None):
         self.eagle.draft(sequence, new_features, max_depth)
         return self.oracle.draft(sequence, new_features, max_depth)
 

@@ -127,17 +127,20 @@ def test_seeded_sampling_batched_equals_alone(tiny_llama, kinds):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batched_drafting", [False, True], ids=["drafting-alone", "drafting-batched"])
-def test_sampling_at_batch_four_keeps_the_target_distribution(batched_drafting):
+@pytest.mark.parametrize("batched_drafting,sampled_drafts", [(False, True), (False, False), (True, False)],
+                         ids=["sampled-drafts", "top-k-drafting-alone", "top-k-drafting-batched"])
+def test_sampling_at_batch_four_keeps_the_target_distribution(batched_drafting, sampled_drafts):
     """Four sequences per forward (two prompts of different lengths, each row its own seed),
     every row's 3-token sample tallied per prompt: both must follow the target's exact
     sequence distribution (the chi-square test of test_sampling_lossless, whose negative
     controls show it rejects a wrong acceptance rule). Drafting per sequence, or batched
-    (eagle_lab/serving/batch_draft.py, as the server drafts at batch >= 2)."""
+    (eagle_lab/serving/batch_draft.py, as the server drafts top-k trees at batch >= 2); trees drawn from the
+    head's distribution are drafted per sequence."""
     target = small_vocab_target()
     params = SamplingParams(temperature=0.9)
     prompts = [torch.tensor([1, 4, 2, 0]), torch.tensor([3, 1, 4, 2, 0, 1, 3])]
-    prototype = EagleDrafter(new_head(target, seed=4), target, TreeShape(depth=2, topk=2, total_tokens=4))
+    prototype = EagleDrafter(new_head(target, seed=4), target, TreeShape(depth=2, topk=2, total_tokens=4),
+                             sampled_drafts=sampled_drafts)
     length, groups = 3, 1000
     counts: list[dict] = [{}, {}]
     accepted = 0

@@ -151,7 +151,7 @@ class RecordingDrafter:
     def reset(self) -> None:
         self.inner.reset()
 
-    def draft(self, sequence, new_features, max_depth):
+    def draft(self, sequence, new_features, max_depth, sampling=None):
         tree = self.inner.draft(sequence, new_features, max_depth)
         self.trees.append((tree.tokens.tolist(), tree.parents.tolist()))
         return tree

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from eagle_lab.decoding.scoring import Scored, Scorer
-from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.sampling import DraftSampling, SamplingParams
 from eagle_lab.decoding.tree import DraftTree
 from eagle_lab.decoding.verify import verify
 
@@ -50,7 +50,8 @@ def speculative_round(scorer: Scorer, drafter, sequence: torch.Tensor, new_featu
             clock = now
 
     past = scorer.past
-    tree = drafter.draft(sequence, new_features, max_depth=scorer.max_context - 1 - past)
+    sampling = None if params.greedy else DraftSampling(params, generator)
+    tree = drafter.draft(sequence, new_features, max_depth=scorer.max_context - 1 - past, sampling=sampling)
     lap("drafted")
     scored = scorer.score(tree.tokens, tree.depths, tree.mask if tree.size > 1 else None)
     lap("scored")

@@ -33,6 +33,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class DraftSampling:
+    """A round's request to draw its draft tokens from the drafter's own distribution under `params`
+    (T > 0; eagle_lab/drafters/sampled.py) instead of taking its top-k; `generator` draws them."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[..., V] logits -> [..., V] float32 probabilities of the (warped) target distribution."""
     logits = logits.float() / params.temperature

@@ -17,12 +17,29 @@ import torch
 
 
 @dataclass
+class Proposals:
+    """The distributions a sampled tree's tokens were drawn from (q in verify.py)."""
+
+    ids: torch.Tensor  # [N, S] target token ids: the support of the proposal node i's children were drawn from
+    probs: torch.Tensor  # [N, S] q over that support (zeros for nodes without sampled children)
+    sampled: torch.Tensor  # [N] bool: node drawn from its parent's proposal (else a point mass: q = delta)
+
+    def extended(self, count: int) -> Proposals:
+        """The same with `count` point-mass nodes appended (an n-gram chain merged after drafting)."""
+        ids, probs = self.ids, self.probs
+        return Proposals(ids=torch.cat([ids, ids.new_zeros((count, ids.shape[1]))]),
+                         probs=torch.cat([probs, probs.new_zeros((count, probs.shape[1]))]),
+                         sampled=torch.cat([self.sampled, self.sampled.new_zeros(count)]))
+
+
+@dataclass
 class DraftTree:
     tokens: torch.Tensor  # [N] token ids, node 0 = root (already chosen by the target)
     parents: torch.Tensor  # [N] parent node index, -1 for the root
     depths: torch.Tensor  # [N]
     mask: torch.Tensor  # [N, N] bool ancestor-or-self
     from_ngram: torch.Tensor | None = None  # [N] bool: nodes only an n-gram chain proposed (None: none)
+    proposals: Proposals | None = None  # sampled drafts' q (None: every node a point mass, as top-k drafts are)
 
     @property
     def size(self) -> int:
@@ -126,8 +143,11 @@ def best_nodes(scores: list[float], parents: list[int], count: int) -> tuple[lis
 class Drafter(Protocol):
     def reset(self) -> None: ...
 
-    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
+              sampling=None) -> DraftTree:
         """sequence: [T] committed tokens, the last one the root; new_features: [P, F]
         target features at positions T-1-P .. T-2 (those the drafter has not seen): the top
-        feature, or the layers named by the drafter's `feature_layers` concatenated."""
+        feature, or the layers named by the drafter's `feature_layers` concatenated.
+        sampling: a DraftSampling at T > 0 (None at T = 0): a drafter that can draws its tokens
+        from its own distribution and records it in the tree's `proposals`; others ignore it."""
         ...

@@ -9,25 +9,32 @@ argmax p at that node, if there is one. The accepted path is exactly the prefix 
 greedy decoding would produce, and the bonus token is argmax p at the last accepted
 node, so output equals greedy decoding token for token.
 
-Sampling rule (multi-candidate rejection over siblings). At an accepted node with target
-distribution p and children c_1..c_m (distinct tokens chosen by the draft, e.g. its top-k):
+Sampling rule (recursive rejection over siblings). At an accepted node with target
+distribution p and children c_1..c_m in order, each proposed by a distribution q_i fixed before
+c_i is seen (given the siblings before it):
     r = p
-    for i = 1..m:  accept c_i with probability r(c_i) / sum(r);
-                   on rejection set r(c_i) = 0          (residual after removing c_i)
-    if all are rejected: emit a bonus token drawn from r / sum(r), stop.
-If c_i is accepted, descend to it and repeat with p at c_i; at a leaf, draw the bonus
-from p there.
+    for i = 1..m:  accept c_i with probability min(1, r(c_i) / q_i(c_i));
+                   on rejection r = norm(max(r - q_i, 0))      (the residual)
+    if all are rejected: emit a bonus token drawn from r, stop.
+If c_i is accepted, descend to it and repeat with p at c_i; at a leaf, draw the bonus from p there.
+Two kinds of children:
+  - point masses, q_i = delta(c_i): top-k drafts (deterministic given the context) and n-gram
+    nodes. Acceptance is r(c_i), and the residual is r with c_i removed, renormalised.
+  - sampled drafts (eagle_lab/drafters/sampled.py, T > 0): c_1, c_2, ... drawn from the head's
+    distribution q without replacement, so q_i = q with c_1..c_{i-1} removed, renormalised.
 
-Why it is lossless. The tree's children are picked deterministically from the draft, so
-each candidate is a point-mass proposal q = delta(c_i); the classic acceptance
-min(1, p(x)/q(x)) and residual norm(max(p - q, 0)) then reduce to the two steps above.
-By induction on i: P(emit c_1) = p(c_1); given c_1 was rejected, r is p conditioned on
-x != c_1, so the loop is just sampling x ~ p by asking "is it c_1? c_2? ... else draw
-from the rest". Every token therefore has probability exactly p(x), whatever the draft
+Why it is lossless. By induction on i, the token emitted from step i on follows r: it is c with
+probability q_i(c) min(1, r(c)/q_i(c)) = min(q_i(c), r(c)), else (probability 1 - sum min(q_i, r))
+a token from the next residual norm(max(r - q_i, 0)), whose mass is exactly what the first term
+left out of r; the residual does not depend on which c_i was drawn, so the induction applies to
+the rest whatever c_i was. Hence every token has probability exactly p(x), whatever the draft
 proposed; the draft only decides how often the answer comes from a candidate (cheap) rather
-than the final draw. Because the target's logits at a child are computed with the
-child's token in context (tree attention), descending repeats the argument one position
-later, so whole sequences follow the target's distribution.
+than the final draw. Because the target's logits at a child are computed with the child's token
+in context (tree attention), descending repeats the argument one position later, so whole
+sequences follow the target's distribution. What the argument needs of a tree: c_i follows q_i
+given everything before it, so whether a child is in the tree may depend on its earlier siblings
+but never on its own token (a sampled tree's topology is fixed in advance for this reason), and
+siblings hold distinct tokens.
 
 N-gram nodes (hybrid drafting, eagle_lab/drafters/ngram.py) go through the same rule, unchanged.
 The proof above used only two facts about the children of a node: (a) they are fixed
@@ -115,20 +122,36 @@ def _sampling_steps(tree: DraftTree, generator: torch.Generator | None,
     """Sent each node's logits (or probabilities, with to_probs the identity); to_probs -> p [V]."""
     children = _children(tree)
     tokens = tree.tokens.tolist()
+    proposals = tree.proposals
+    sampled = proposals.sampled.tolist() if proposals is not None else [False] * tree.size
     path = [0]
     node = 0
     while True:
         p = to_probs((yield node))
-        residual = p.clone()  # [V]
+        residual = p.clone()  # [V] r, unnormalised
+        remaining = None  # [S] this node's q without the sampled children rejected so far, unnormalised
         accepted_child = None
         for child in children[node]:
             token = tokens[child]
             mass = residual.sum()
             u = torch.rand((), generator=generator, device=residual.device)
-            if u * mass < residual[token]:
+            if not sampled[child]:  # q = delta(token): accept with r(token)
+                if u * mass < residual[token]:
+                    accepted_child = child
+                    break
+                residual[token] = 0.0
+                continue
+            if remaining is None:
+                remaining = proposals.probs[node].clone()
+            support = proposals.ids[node]  # [S]
+            slot = int((support == token).nonzero()[0])
+            q = remaining / remaining.sum()  # [S] q_i
+            if u * q[slot] * mass < residual[token]:  # u < r(token) / q_i(token), r normalised
                 accepted_child = child
                 break
-            residual[token] = 0.0
+            residual = residual / mass
+            residual.index_add_(0, support, -q.to(residual.dtype)).clamp_(min=0.0)  # max(r - q_i, 0)
+            remaining[slot] = 0.0
         if accepted_child is None:
             if float(residual.sum()) <= 0.0:  # candidates covered the whole support (float dust)
                 residual = p

@@ -104,6 +104,8 @@ def merge_chain(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
     old = tree.from_ngram if tree.from_ngram is not None else torch.zeros(len(tokens), dtype=torch.bool,
                                                                              device=device)
     merged.from_ngram = torch.cat([old, torch.ones(len(rest), dtype=torch.bool, device=device)])  # [N + len(rest)]
+    if tree.proposals is not None:  # the chain's nodes are point masses beside sampled ones
+        merged.proposals = tree.proposals.extended(len(rest))
     return merged
 
 
@@ -118,7 +120,9 @@ class NgramDrafter:
     def reset(self) -> None:
         pass
 
-    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
+              sampling=None) -> DraftTree:
+        """sampling: ignored; a chain copied from the context is a point mass, lossless at any temperature."""
         root = root_only_tree(int(sequence[-1]), sequence.device)
         if max_depth < 1:
             return root

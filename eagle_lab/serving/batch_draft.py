@@ -236,7 +236,8 @@ class BatchDrafter:
             try:
                 max_depth = sequence.prepare_draft(shape)
                 if max_depth is not None:
-                    group = groups.setdefault(id(sequence.drafter.head), []) if runs_head(sequence) else alone
+                    batched = runs_head(sequence) and not sequence.samples_drafts
+                    group = groups.setdefault(id(sequence.drafter.head), []) if batched else alone
                     group.append((index, max_depth))
             except Exception as exc:  # noqa: BLE001 - one sequence's failure fails that sequence
                 errors[index] = exc
@@ -250,7 +251,8 @@ class BatchDrafter:
         for index, max_depth in alone:
             sequence = sequences[index]
             try:
-                sequence.set_tree(sequence.drafter.draft(sequence.sequence, sequence.unseen, max_depth))
+                sequence.set_tree(sequence.drafter.draft(sequence.sequence, sequence.unseen, max_depth,
+                                                         sampling=sequence.draft_sampling))
             except Exception as exc:  # noqa: BLE001
                 errors[index] = exc
         for key, rows in groups.items():

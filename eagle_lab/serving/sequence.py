@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 
 from eagle_lab.decoding.generate import GenerationStats, Stopper, check_prompt, _ngram_counts
-from eagle_lab.decoding.sampling import SamplingParams, next_token
+from eagle_lab.decoding.sampling import DraftSampling, SamplingParams, next_token
 from eagle_lab.decoding.static_rows import RowScore, StaticRows
 from eagle_lab.decoding.tree import DraftTree, Drafter, root_only_tree
 from eagle_lab.decoding.verify import verify
@@ -93,7 +93,19 @@ class Sequence:
         max_depth = self.prepare_draft(shape)
         if max_depth is None:
             return self.tree
-        return self.set_tree(self.drafter.draft(self.sequence, self.unseen, max_depth=max_depth))
+        return self.set_tree(self.drafter.draft(self.sequence, self.unseen, max_depth=max_depth,
+                                                sampling=self.draft_sampling))
+
+    @property
+    def draft_sampling(self) -> DraftSampling | None:
+        """What draft() asks of the drafter at this sequence's temperature (None: greedy, point masses)."""
+        return None if self.params.greedy else DraftSampling(self.params, self.generator)
+
+    @property
+    def samples_drafts(self) -> bool:
+        """Whether this sequence's drafter draws its tree from its own distribution (drafted on its own, not
+        in a batched head step: a sampled tree's spine is drafted one row a level)."""
+        return self.draft_sampling is not None and getattr(self.drafter, "sampled_drafts", False)
 
     def prepare_draft(self, shape: TreeShape | BatchTree | None = None) -> int | None:
         """The first half of draft(): give the drafter this round's tree; -> the depth the drafter

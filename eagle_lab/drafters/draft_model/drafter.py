@@ -74,7 +74,9 @@ class DraftModelDrafter:
         return scores, self.draft_vocab[ids]
 
     @torch.no_grad()
-    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
+              sampling=None) -> DraftTree:
+        """sampling: ignored; this drafter's tokens are point masses (its top-k), lossless at any temperature."""
         root = int(sequence[-1])
         depth = min(self.shape.depth, max_depth)
         if depth < 1 or self.shape.topk < 1 or self.shape.total_tokens < 1:

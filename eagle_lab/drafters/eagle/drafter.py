@@ -11,7 +11,9 @@
 Frontier entries in the head's cache are dropped at the start of the next round; only
 committed pairs persist. With `ngram` set (hybrid drafting), the n-gram chain proposed from
 the context is merged into the tree afterwards (eagle_lab/drafters/ngram.py); with drafting off
-(depth 0) the tree is the root plus that chain, and the head is not run.
+(depth 0) the tree is the root plus that chain, and the head is not run. At T > 0 (a `DraftSampling`
+passed to draft) the tree's tokens are drawn from the head's distribution instead of taken as its
+top-k, on a spine (eagle_lab/drafters/sampled.py).
 """
 
 
@@ -23,12 +25,13 @@ import logging
 
 import torch
 
-from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.sampling import DraftSampling, SamplingParams
 from eagle_lab.decoding.tree import DraftTree, root_only_tree
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache, draft_lm_head_weight
 from eagle_lab.drafters.eagle.head_runner import HeadStepRunner
 from eagle_lab.drafters.growth import Candidates, TreeChoice, TreeGrowth, TreeShape, grow_dynamic_tree
 from eagle_lab.drafters.ngram import NgramProposer, merge_chain
+from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
 from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
@@ -36,9 +39,11 @@ log = logging.getLogger(__name__)
 
 class EagleDrafter:
     def __init__(self, head: EagleHead, target: Target, shape: TreeShape, ngram: NgramProposer | None = None,
-                 compiled: bool = False, cache_capacity: int = 0, build: bool = True):
-        """build: whether compiled head steps missing on this machine are compiled here (else run eagerly)."""
+                 compiled: bool = False, cache_capacity: int = 0, build: bool = True, sampled_drafts: bool = True):
+        """build: whether compiled head steps missing on this machine are compiled here (else run eagerly);
+        sampled_drafts: whether a draft() given a DraftSampling draws its tokens (else its top-k, as at T = 0)."""
         self.head, self.target, self.shape = head.eval(), target, shape
+        self.sampled_drafts = sampled_drafts
         self.ngram = ngram  # hybrid drafting: an n-gram chain merged into every tree (None: off)
         self.rotary = target.backbone.rotary_emb
         rows = draft_lm_head_weight(head, target)  # [Vd, H]
@@ -124,8 +129,12 @@ class EagleDrafter:
         """A step's top-k over the draft vocabulary [R, k] -> (log-probs [R, k], target token ids [R, k])."""
         return top_logp, self.head.draft_to_target[top_ids]
 
-    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
-        return self.merge_ngram_chain(self._draft_eagle(sequence, new_features, max_depth), sequence, max_depth)
+    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
+              sampling: DraftSampling | None = None) -> DraftTree:
+        if not self.sampled_drafts:
+            sampling = None
+        return self.merge_ngram_chain(self._draft_eagle(sequence, new_features, max_depth, sampling), sequence,
+                                      max_depth)
 
     def merge_ngram_chain(self, tree: DraftTree, sequence: torch.Tensor, max_depth: int) -> DraftTree:
         """The head's tree with the n-gram chain merged in (hybrid drafting; unchanged without it). The chain's
@@ -137,7 +146,8 @@ class EagleDrafter:
         return merge_chain(tree, self.ngram.propose(sequence)[:max(min(max_depth, room), 0)])
 
     @torch.no_grad()
-    def _draft_eagle(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+    def _draft_eagle(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
+                     sampling: DraftSampling | None) -> DraftTree:
         device = sequence.device
         root = int(sequence[-1])
         if self.shape.depth < 1 or self.shape.total_tokens < 1 or self.shape.topk < 1:
@@ -146,6 +156,8 @@ class EagleDrafter:
         if depth < 1:
             self.feed(sequence, new_features)  # near the context limit: keep the head cache in step
             return root_only_tree(root, device)
+        if sampling is not None:
+            return self._draft_sampled(sequence, new_features, depth, sampling)
         k = min(self.shape.topk, self.head.arch.draft_vocab_size)
         hidden, top_logp, top_ids = self._commit(sequence, new_features, k)
         scores, tokens = self._children(top_logp[-1:], top_ids[-1:])  # [1, k] each: the root's children
@@ -164,6 +176,26 @@ class EagleDrafter:
         tree, self.last_candidates = grow_dynamic_tree(root, scores.flatten(), tokens.flatten(), depth,
                                                        self.shape.total_tokens, expand)
         return tree
+
+    def _draft_sampled(self, sequence: torch.Tensor, new_features: torch.Tensor, depth: int,
+                       sampling: DraftSampling) -> DraftTree:
+        """The spine tree drawn from the head's distribution: one head step (one row) per level."""
+        device = sequence.device
+        support = min(SUPPORT, self.head.arch.draft_vocab_size)
+        hidden, top_logp, top_ids = self._commit(sequence, new_features, support)
+        predicted = hidden[-1:]  # [1, H] the spine node's parent feature
+
+        def expand(level: int, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+            nonlocal predicted
+            visible = torch.ones(1, self.committed + level, dtype=torch.bool, device=device)  # its ancestors, itself
+            positions = torch.full((1,), self.committed + level - 1, device=device)
+            predicted, logp, ids = self.runner(self.cache, torch.tensor([token], device=device), predicted, positions,
+                                               visible, support, from_draft=True)  # [1, H], [1, S], [1, S]
+            return logp[0], self.head.draft_to_target[ids[0]]
+
+        self.last_candidates = None
+        return grow_sampled_tree(int(sequence[-1]), top_logp[-1], self.head.draft_to_target[top_ids[-1]], depth,
+                                 self.shape.topk, self.shape.total_tokens, sampling, expand)
 
     def tree_from(self, growth: TreeGrowth, sequence: torch.Tensor, max_depth: int) -> DraftTree:
         """The tree a batched round grew for this drafter (eagle_lab/serving/batch_draft.py), kept as draft()

@@ -39,7 +39,9 @@ class MedusaDrafter:
         pass  # no state between rounds: the heads read the newest target feature only
 
     @torch.no_grad()
-    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int) -> DraftTree:
+    def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
+              sampling=None) -> DraftTree:
+        """sampling: ignored; this drafter's tokens are point masses (its top-k), lossless at any temperature."""
         root = int(sequence[-1])
         depth = min(self.shape.depth, max_depth)
         if depth < 1 or self.shape.topk < 1 or self.shape.total_tokens < 1:
