@@ -30,6 +30,7 @@ from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.stable_linear import FORMATS, convert_module_linears
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.tree_search.auto import auto_tree
+from eagle_lab.tree_search.online import ONLINE_DEPTH, ChainController
 
 log = logging.getLogger(__name__)
 PACKAGED_HEADS = Path(__file__).parent / "assets" / "heads"
@@ -141,6 +142,13 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
                                 f"to be used); got {gain}")
     if tree.quick_below_tokens < 0:
         raise EagleLabError(f"tree.quick_below_tokens must be >= 0, got {tree.quick_below_tokens}")
+    if tree.online:
+        depth = tree.depth or ONLINE_DEPTH
+        if depth < 1:
+            raise EagleLabError(f"tree.online=true needs tree.depth >= 1 (the longest chain; 0: {ONLINE_DEPTH}), "
+                                f"got {tree.depth}")
+        return eagle_drafter(head, target, TreeShape(depth, 1, depth), ngram, backend, tree.sampled_drafts,
+                             ChainController(depth))
     if not tree.auto:
         if not (tree.depth and tree.topk and tree.total_tokens):
             raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")
@@ -156,11 +164,12 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
 
 
 def eagle_drafter(head: EagleHead, target: Target, shape: TreeShape, ngram: NgramProposer | None,
-                  backend: Backend | None, sampled_drafts: bool = True) -> EagleDrafter:
+                  backend: Backend | None, sampled_drafts: bool = True,
+                  controller: ChainController | None = None) -> EagleDrafter:
     """The head compiles when the target does; its cache is sized like the backend's static caches."""
     return EagleDrafter(head, target, shape, ngram, compiled=getattr(backend, "compiled", False),
                         cache_capacity=getattr(backend, "min_capacity", 0), build=getattr(backend, "build", True),
-                        sampled_drafts=sampled_drafts)
+                        sampled_drafts=sampled_drafts, controller=controller)
 
 
 def ngram_proposer(cfg: NgramConfig) -> NgramProposer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -40,6 +41,26 @@ def untuned_shape(method: str, auto: bool, depth: int, topk: int, total_tokens: 
     log.info("method=%s: tree=auto calibrates EAGLE heads only; drafting a chain of %d "
              "(set tree=cpu or tree.depth/topk/total_tokens for a tree)", method, UNTUNED_SHAPE.depth)
     return UNTUNED_SHAPE
+
+
+class ChainControl(Protocol):
+    """Chooses each round's chain length online (eagle_lab/tree_search/online.py, tree.online=true)."""
+
+    def choose(self) -> int:
+        """The next round's chain length (0: no draft)."""
+        ...
+
+    def observe(self, length: int, accepted: int, ms: float | None) -> None:
+        """The last round drafted `length`, accepted `accepted` of it and took `ms` (None: not to be timed)."""
+        ...
+
+    def reset(self) -> None:
+        """A new sequence."""
+        ...
+
+    def fork(self) -> ChainControl:
+        """A controller for another sequence (what it learnt of the machine shared)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,9 @@ class TreeConfig:
     # max_new_tokens) calibrates quickly (about a minute on a 2-core CPU, its candidates timed on one
     # prompt) instead of in full (about four, on all the calibration prompts); 0: always in full
     quick_below_tokens: int = 2048
+    # choose each round's chain length online, up to `depth` (3 when 0), from the acceptance this reply shows and
+    # the rounds' measured cost (eagle_lab/tree_search/online.py); tree=auto's calibration is not run
+    online: bool = False
     # at T > 0, draw the head's tree from its own distribution under the request's sampling parameters and
     # accept with min(1, p/q) (eagle_lab/drafters/sampled.py); false: its top-k tokens, as at T = 0
     sampled_drafts: bool = True

@@ -13,7 +13,9 @@ committed pairs persist. With `ngram` set (hybrid drafting), the n-gram chain pr
 the context is merged into the tree afterwards (eagle_lab/drafters/ngram.py); with drafting off
 (depth 0) the tree is the root plus that chain, and the head is not run. At T > 0 (a `DraftSampling`
 passed to draft) the tree's tokens are drawn from the head's distribution instead of taken as its
-top-k, on a spine (eagle_lab/drafters/sampled.py).
+top-k, on a spine (eagle_lab/drafters/sampled.py). With a chain controller (tree.online=true,
+eagle_lab/tree_search/online.py) each round drafts the chain length it chooses, and tells it what the
+previous round accepted and cost; a round that drafts nothing keeps its features for the next one that does.
 """
 
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import time
 
 import torch
 
@@ -29,7 +32,8 @@ from eagle_lab.decoding.sampling import DraftSampling, SamplingParams
 from eagle_lab.decoding.tree import DraftTree, root_only_tree
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache, draft_lm_head_weight
 from eagle_lab.drafters.eagle.head_runner import HeadStepRunner
-from eagle_lab.drafters.growth import Candidates, TreeChoice, TreeGrowth, TreeShape, grow_dynamic_tree
+from eagle_lab.drafters.growth import (Candidates, ChainControl, TreeChoice, TreeGrowth, TreeShape,
+                                      grow_dynamic_tree)
 from eagle_lab.drafters.ngram import NgramProposer, merge_chain
 from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
 from eagle_lab.models.target import Target
@@ -39,11 +43,17 @@ log = logging.getLogger(__name__)
 
 class EagleDrafter:
     def __init__(self, head: EagleHead, target: Target, shape: TreeShape, ngram: NgramProposer | None = None,
-                 compiled: bool = False, cache_capacity: int = 0, build: bool = True, sampled_drafts: bool = True):
+                 compiled: bool = False, cache_capacity: int = 0, build: bool = True, sampled_drafts: bool = True,
+                 controller: ChainControl | None = None):
         """build: whether compiled head steps missing on this machine are compiled here (else run eagerly);
-        sampled_drafts: whether a draft() given a DraftSampling draws its tokens (else its top-k, as at T = 0)."""
+        sampled_drafts: whether a draft() given a DraftSampling draws its tokens (else its top-k, as at T = 0);
+        controller: chooses each round's chain length (None: every round drafts `shape`)."""
         self.head, self.target, self.shape = head.eval(), target, shape
         self.sampled_drafts = sampled_drafts
+        self.controller = controller
+        # the controller's round in flight: (chain length, its start; None: not to be timed)
+        self._round: tuple[int, float | None] | None = None
+        self._unseen: torch.Tensor | None = None  # [P, F] features of rounds that drafted nothing, fed next time
         self.ngram = ngram  # hybrid drafting: an n-gram chain merged into every tree (None: off)
         self.rotary = target.backbone.rotary_emb
         rows = draft_lm_head_weight(head, target)  # [Vd, H]
@@ -81,6 +91,8 @@ class EagleDrafter:
         state (head cache, committed pairs, last candidates)."""
         fork = copy.copy(self)  # shallow: module, target, shape, lm_weight, ngram shared
         fork.cache, fork.committed, fork.last_candidates = self.new_cache(), 0, None
+        fork.controller = None if self.controller is None else self.controller.fork()
+        fork._round = fork._unseen = None
         return fork
 
     def adopt_choices(self, choices: tuple[TreeChoice, ...]) -> None:
@@ -124,6 +136,9 @@ class EagleDrafter:
     def reset(self) -> None:
         self.cache = self.new_cache()
         self.committed = 0
+        self._round = self._unseen = None
+        if self.controller is not None:
+            self.controller.reset()
 
     def _children(self, top_logp: torch.Tensor, top_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A step's top-k over the draft vocabulary [R, k] -> (log-probs [R, k], target token ids [R, k])."""
@@ -133,8 +148,30 @@ class EagleDrafter:
               sampling: DraftSampling | None = None) -> DraftTree:
         if not self.sampled_drafts:
             sampling = None
-        return self.merge_ngram_chain(self._draft_eagle(sequence, new_features, max_depth, sampling), sequence,
-                                      max_depth)
+        shape = self.shape if self.controller is None else self._controlled_shape(new_features)
+        if self._unseen is not None:  # the rounds that drafted nothing left these to feed
+            new_features = torch.cat([self._unseen, new_features])  # [P, F]
+            self._unseen = None
+            if self._round is not None and shape.depth > 0:  # this round's time holds their catching up: untimed
+                self._round = (self._round[0], None)
+        if self.controller is not None and shape.depth == 0:
+            self._unseen = new_features
+            tree = root_only_tree(int(sequence[-1]), sequence.device)
+        else:
+            tree = self._draft_eagle(sequence, new_features, max_depth, sampling, shape)
+        return self.merge_ngram_chain(tree, sequence, max_depth)
+
+    def _controlled_shape(self, new_features: torch.Tensor) -> TreeShape:
+        """The controller's chain for this round, after telling it how the last one went: its new features are
+        the accepted nodes and the bonus, and its time runs from its draft to this one (unless that draft also
+        fed the head what rounds without drafts left: a cost of those rounds, not of its length)."""
+        now = time.perf_counter()
+        if self._round is not None:
+            length, start = self._round
+            self.controller.observe(length, new_features.shape[0] - 1, None if start is None else 1000 * (now - start))
+        length = self.controller.choose()
+        self._round = (length, now)
+        return TreeShape(length, 1, length)
 
     def merge_ngram_chain(self, tree: DraftTree, sequence: torch.Tensor, max_depth: int) -> DraftTree:
         """The head's tree with the n-gram chain merged in (hybrid drafting; unchanged without it). The chain's
@@ -147,18 +184,18 @@ class EagleDrafter:
 
     @torch.no_grad()
     def _draft_eagle(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
-                     sampling: DraftSampling | None) -> DraftTree:
+                     sampling: DraftSampling | None, shape: TreeShape) -> DraftTree:
         device = sequence.device
         root = int(sequence[-1])
-        if self.shape.depth < 1 or self.shape.total_tokens < 1 or self.shape.topk < 1:
+        if shape.depth < 1 or shape.total_tokens < 1 or shape.topk < 1:
             return root_only_tree(root, device)  # drafting is off (tree=auto found it does not pay): skip the head
-        depth = min(self.shape.depth, max_depth)
+        depth = min(shape.depth, max_depth)
         if depth < 1:
             self.feed(sequence, new_features)  # near the context limit: keep the head cache in step
             return root_only_tree(root, device)
         if sampling is not None:
-            return self._draft_sampled(sequence, new_features, depth, sampling)
-        k = min(self.shape.topk, self.head.arch.draft_vocab_size)
+            return self._draft_sampled(sequence, new_features, depth, sampling, shape)
+        k = min(shape.topk, self.head.arch.draft_vocab_size)
         hidden, top_logp, top_ids = self._commit(sequence, new_features, k)
         scores, tokens = self._children(top_logp[-1:], top_ids[-1:])  # [1, k] each: the root's children
         predicted = hidden[-1:].expand(k, -1)  # [k, H] the last step's predicted features (the root's at first)
@@ -174,11 +211,11 @@ class EagleDrafter:
             return self._children(top_logp, top_ids)
 
         tree, self.last_candidates = grow_dynamic_tree(root, scores.flatten(), tokens.flatten(), depth,
-                                                       self.shape.total_tokens, expand)
+                                                       shape.total_tokens, expand)
         return tree
 
     def _draft_sampled(self, sequence: torch.Tensor, new_features: torch.Tensor, depth: int,
-                       sampling: DraftSampling) -> DraftTree:
+                       sampling: DraftSampling, shape: TreeShape) -> DraftTree:
         """The spine tree drawn from the head's distribution: one head step (one row) per level."""
         device = sequence.device
         support = min(SUPPORT, self.head.arch.draft_vocab_size)
@@ -195,7 +232,7 @@ class EagleDrafter:
 
         self.last_candidates = None
         return grow_sampled_tree(int(sequence[-1]), top_logp[-1], self.head.draft_to_target[top_ids[-1]], depth,
-                                 self.shape.topk, self.shape.total_tokens, sampling, expand)
+                                 shape.topk, shape.total_tokens, sampling, expand)
 
     def tree_from(self, growth: TreeGrowth, sequence: torch.Tensor, max_depth: int) -> DraftTree:
         """The tree a batched round grew for this drafter (eagle_lab/serving/batch_draft.py), kept as draft()
