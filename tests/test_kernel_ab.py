@@ -78,3 +78,27 @@ def test_every_instruction_set_computes_the_same_bits(march):
     if "avx512dq" in cpu_flags() and march == "x86-64-v4":
         assert torch.equal(ours, theirs)
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels_available()[0], reason="no C++ kernels here")
+@pytest.mark.parametrize("march", sorted(MARCH_NEEDS))
+def test_int4_sums_at_their_largest_are_exact_on_every_instruction_set(march):
+    """Every weight nibble 15 and every activation -127 after quantization: the largest pair sums a group adds (the
+    16-bit sums of the builds without VNNI must not saturate), through the raw q4_1x8 op."""
+    if not MARCH_NEEDS[march] <= cpu_flags():
+        pytest.skip(f"this CPU cannot run -march={march}")
+    older = load_variant("stable_linear", SOURCE, march)
+    native.load("stable_linear")
+    panels, k = 4, 256
+    packed = torch.full((panels, k // 8, 64), 255, dtype=torch.uint8)  # both nibbles 15
+    scales = torch.full((panels, k // 32, 16), 0.5).half()
+    minimums = torch.full((panels, k // 32, 16), -1.0).half()
+    for rows in (1, 4, 5, 8):
+        for sign in (-1.0, 1.0):
+            x = torch.full((rows, k), 3.0 * sign)
+            ours = torch.ops.eagle_lab_kernels.stable_linear_q4x8(x, packed, scales, minimums, None, 64)
+            theirs = older.stable_linear_q4x8(x, packed, scales, minimums, None, 64)
+            assert torch.equal(ours, theirs)
+            expected = (15 * 0.5 - 1.0) * 3.0 * sign * k  # w = 15 * scale + minimum everywhere, x exact after rounding
+            torch.testing.assert_close(ours, torch.full_like(ours, expected))
