@@ -46,8 +46,8 @@ def untuned_shape(method: str, auto: bool, depth: int, topk: int, total_tokens: 
 class ChainControl(Protocol):
     """Chooses each round's chain length online (eagle_lab/tree_search/online.py, tree.online=true)."""
 
-    def choose(self) -> int:
-        """The next round's chain length (0: no draft)."""
+    def choose(self, temperature: float = 0.0) -> int:
+        """The next round's chain length (0: no draft) for a sequence sampling at `temperature` (0: greedy)."""
         ...
 
     def observe(self, length: int, accepted: int, ms: float | None) -> None:

@@ -148,7 +148,7 @@ class EagleDrafter:
               sampling: DraftSampling | None = None) -> DraftTree:
         if not self.sampled_drafts:
             sampling = None
-        shape = self.shape if self.controller is None else self._controlled_shape(new_features)
+        shape = self.shape if self.controller is None else self._controlled_shape(new_features, sampling)
         if self._unseen is not None:  # the rounds that drafted nothing left these to feed
             new_features = torch.cat([self._unseen, new_features])  # [P, F]
             self._unseen = None
@@ -161,7 +161,7 @@ class EagleDrafter:
             tree = self._draft_eagle(sequence, new_features, max_depth, sampling, shape)
         return self.merge_ngram_chain(tree, sequence, max_depth)
 
-    def _controlled_shape(self, new_features: torch.Tensor) -> TreeShape:
+    def _controlled_shape(self, new_features: torch.Tensor, sampling: DraftSampling | None) -> TreeShape:
         """The controller's chain for this round, after telling it how the last one went: its new features are
         the accepted nodes and the bonus, and its time runs from its draft to this one (unless that draft also
         fed the head what rounds without drafts left: a cost of those rounds, not of its length)."""
@@ -169,7 +169,7 @@ class EagleDrafter:
         if self._round is not None:
             length, start = self._round
             self.controller.observe(length, new_features.shape[0] - 1, None if start is None else 1000 * (now - start))
-        length = self.controller.choose()
+        length = self.controller.choose(0.0 if sampling is None else sampling.params.temperature)
         self._round = (length, now)
         return TreeShape(length, 1, length)
 
