@@ -217,7 +217,8 @@ def build_draft_model_drafter(cfg: TargetConfig, tree: TreeConfig, target: Targe
         draft = load_target(replace(cfg, path=path, device=str(target.device)))
         check_same_tokenizer(target, draft)
     return DraftModelDrafter(draft, untuned_shape("draft_model", tree.auto, tree.depth, tree.topk, tree.total_tokens),
-                             target.vocab_size, load_draft_vocab(path) if cfg.source == "pretrained" else None)
+                             target.vocab_size, load_draft_vocab(path) if cfg.source == "pretrained" else None,
+                             sampled_drafts=tree.sampled_drafts)
 
 
 def build_medusa_drafter(cfg: MedusaConfig, tree: TreeConfig, target: Target) -> MedusaDrafter:
@@ -230,4 +231,5 @@ def build_medusa_drafter(cfg: MedusaConfig, tree: TreeConfig, target: Target) ->
                                 "packaged for it): heads trained with python train.py head=medusa")
         path = str(packaged)
     heads = load_any_medusa(path, target)  # eagle_lab's layout or the Medusa project's
-    return MedusaDrafter(heads, target, untuned_shape("medusa", tree.auto, tree.depth, tree.topk, tree.total_tokens))
+    return MedusaDrafter(heads, target, untuned_shape("medusa", tree.auto, tree.depth, tree.topk, tree.total_tokens),
+                         sampled_drafts=tree.sampled_drafts)

@@ -204,3 +204,24 @@ def test_sampled_spine_keeps_the_distribution_through_the_loop():
         accepted += result.stats.accepted_draft_tokens > 0
     assert 0.1 * samples < accepted < samples
     assert chi_square_pvalue(counts, exact_sequence_probs(target, prompt, params, length), samples) > ALPHA
+
+
+def test_the_draft_model_and_medusa_draw_spines_when_sampling():
+    from eagle_lab.drafters.draft_model.drafter import DraftModelDrafter
+    from eagle_lab.drafters.growth import TreeShape
+    from eagle_lab.drafters.medusa.drafter import MedusaDrafter
+    from tests.test_medusa import random_heads
+
+    target = small_vocab_target()
+    prompt = torch.tensor([1, 4, 2, 0])
+    features = target.forward(prompt[None]).features[0]  # [T, H]
+    sampling = DraftSampling(SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    drafters = [DraftModelDrafter(small_vocab_target(seed=9), TreeShape(3, 2, 5), target.vocab_size),
+                MedusaDrafter(random_heads(target, num_heads=3, seed=3), target, TreeShape(3, 2, 5))]
+    for drafter in drafters:
+        drafter.reset()
+        tree = drafter.draft(prompt, features, max_depth=8, sampling=sampling)
+        assert tree.proposals is not None and tree.parents.tolist() == [-1, 0, 0, 1, 1, 3]
+        assert torch.allclose(tree.proposals.probs[[0, 1, 3]].sum(-1), torch.ones(3))
+        drafter.reset()
+        assert drafter.draft(prompt, features, max_depth=8).proposals is None

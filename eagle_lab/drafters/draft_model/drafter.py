@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from eagle_lab.decoding.cache import cache_length, truncate
+from eagle_lab.decoding.sampling import DraftSampling
 from eagle_lab.drafters.growth import Candidates, TreeShape, grow_dynamic_tree
+from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import Target, additive_mask
 from eagle_lab.decoding.tree import DraftTree, root_only_tree
@@ -36,10 +38,12 @@ class DraftModelDrafter:
     feature_layers: tuple[int, ...] = ()  # reads tokens only
     ngram = None  # no hybrid branches
 
-    def __init__(self, model: Target, shape: TreeShape, vocab_size: int, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, model: Target, shape: TreeShape, vocab_size: int, draft_vocab: torch.Tensor | None = None,
+                 sampled_drafts: bool = True):
         """draft_vocab: [Vd] target token ids the model drafts from (the draft vocabulary it was trained on,
-        as EAGLE heads draft); None: the whole vocabulary."""
-        self.model, self.shape = model, shape
+        as EAGLE heads draft); None: the whole vocabulary. sampled_drafts: whether a draft() at T > 0 draws
+        its tokens (else its top-k)."""
+        self.model, self.shape, self.sampled_drafts = model, shape, sampled_drafts
         self.vocab_size = vocab_size  # the target's: padded embedding rows beyond it are never drafted
         self.draft_vocab = None if draft_vocab is None else draft_vocab.to(model.device).long()
         # [Vd, H] the LM-head rows a draft reads (a small draft model's LM head is most of its cost)
@@ -75,12 +79,14 @@ class DraftModelDrafter:
 
     @torch.no_grad()
     def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
-              sampling=None) -> DraftTree:
-        """sampling: ignored; this drafter's tokens are point masses (its top-k), lossless at any temperature."""
+              sampling: DraftSampling | None = None) -> DraftTree:
+        """sampling (T > 0): the tokens drawn from the model's distribution, on a spine (drafters/sampled.py)."""
         root = int(sequence[-1])
         depth = min(self.shape.depth, max_depth)
         if depth < 1 or self.shape.topk < 1 or self.shape.total_tokens < 1:
             return root_only_tree(root, sequence.device)
+        if sampling is not None and self.sampled_drafts:
+            return self._draft_sampled(sequence, depth, sampling)
         k = self.shape.topk
         scores, tokens = (row[0] for row in self._top(self.feed(sequence), k))  # [k] the root's children
         device, dtype = sequence.device, self.model.dtype
@@ -97,3 +103,19 @@ class DraftModelDrafter:
 
         tree, self.last_candidates = grow_dynamic_tree(root, scores, tokens, depth, self.shape.total_tokens, expand)
         return tree
+
+    def _draft_sampled(self, sequence: torch.Tensor, depth: int, sampling: DraftSampling) -> DraftTree:
+        """The spine: one forward of one row (the spine node) per level, each seeing the spine above it."""
+        device = sequence.device
+        support = min(SUPPORT, self.vocab_size if self.draft_vocab is None else self.draft_vocab.numel())
+        logp, ids = (row[0] for row in self._top(self.feed(sequence), support))  # [S] each
+
+        def expand(level: int, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+            positions = torch.full((1, 1), self.committed + level - 1, device=device)  # its ancestors are cached
+            out = self.model.forward(torch.tensor([[token]], device=device), self.cache, positions)
+            scores, tokens = self._top(out.features[0], support)
+            return scores[0], tokens[0]
+
+        self.last_candidates = None
+        return grow_sampled_tree(int(sequence[-1]), logp, ids, depth, self.shape.topk, self.shape.total_tokens,
+                                 sampling, expand)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from eagle_lab.decoding.sampling import DraftSampling
 from eagle_lab.drafters.growth import Candidates, TreeShape, grow_dynamic_tree
+from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
 from eagle_lab.drafters.eagle.head import draft_lm_head_weight
 from eagle_lab.errors import EagleLabError
 from eagle_lab.drafters.medusa.heads import MedusaHeads
@@ -23,8 +25,9 @@ class MedusaDrafter:
     feature_layers: tuple[int, ...] = ()  # reads the top feature
     ngram = None
 
-    def __init__(self, heads: MedusaHeads, target: Target, shape: TreeShape):
-        self.heads, self.target = heads.eval(), target
+    def __init__(self, heads: MedusaHeads, target: Target, shape: TreeShape, sampled_drafts: bool = True):
+        """sampled_drafts: whether a draft() at T > 0 draws its tokens (else its heads' top-k)."""
+        self.heads, self.target, self.sampled_drafts = heads.eval(), target, sampled_drafts
         self.use_tree(shape)
         self.rows = draft_lm_head_weight(heads, target)  # [Vd, H] the target's LM-head rows
         self.last_candidates: Candidates | None = None
@@ -40,8 +43,8 @@ class MedusaDrafter:
 
     @torch.no_grad()
     def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
-              sampling=None) -> DraftTree:
-        """sampling: ignored; this drafter's tokens are point masses (its top-k), lossless at any temperature."""
+              sampling: DraftSampling | None = None) -> DraftTree:
+        """sampling (T > 0): each depth's tokens drawn from its head's distribution, on a spine (drafters/sampled.py)."""
         root = int(sequence[-1])
         depth = min(self.shape.depth, max_depth)
         if depth < 1 or self.shape.topk < 1 or self.shape.total_tokens < 1:
@@ -51,6 +54,12 @@ class MedusaDrafter:
         outputs = self.heads(feature)[:depth]  # per depth [1, H]
         logp = torch.cat([self.heads.draft_logits(h, self.heads.head_rows(i, self.rows))
                           for i, h in enumerate(outputs)]).float().log_softmax(-1)  # [D, Vd]
+        if sampling is not None and self.sampled_drafts:  # head d guesses depth d whatever came before: one q
+            support_logp, support_ids = logp.topk(min(SUPPORT, logp.shape[-1]), dim=-1)  # [D, S]
+            support = self.heads.draft_to_target[support_ids]  # [D, S]
+            self.last_candidates = None
+            return grow_sampled_tree(root, support_logp[0], support[0], depth, k, self.shape.total_tokens, sampling,
+                                     lambda level, token: (support_logp[level], support[level]))
         top_logp, top_ids = logp.topk(k, dim=-1)  # [D, k]
         top_tokens = self.heads.draft_to_target[top_ids]  # [D, k] target token ids
 
