@@ -443,10 +443,13 @@ ALWAYS_INLINE i32x16 dot4_signed(i32x16 acc, i32x16 a, i32x16 b) {
 }
 #endif
 
+// A group's products of int4 weights (unsigned, `a`) and int8 activations (`b`) accumulate in `acc`, then
+// int4_group_sum gives each column's 32-bit sum. With VNNI (or without AVX2) every step is a dot4 into 32-bit lanes.
+// Without VNNI a dot4 is three instructions (vpmaddubsw, vpmaddwd by ones, vpaddd), so the pair products are added
+// in 16 bits instead (vpmaddubsw, vpaddw) and widened once: each pair is at most 2 * 15 * 127 = 3,810 in magnitude
+// and a lane takes the 8 of a group (30,480 < 2^15), so every sum, and every result, is the dot4 path's.
 #if !defined(__AVX512VNNI__) && (defined(__AVX2__) || defined(__AVX512BW__))
-// acc + for each 16-bit lane, the sum of its 2 unsigned bytes of `a` times the 2 signed bytes of `b` (vpmaddubsw,
-// then vpaddw): exact while every lane stays below 2^15, which the caller guarantees.
-ALWAYS_INLINE i32x16 add_pair_products(i32x16 acc, i32x16 a, i32x16 b) {
+ALWAYS_INLINE i32x16 add_int4_products(i32x16 acc, i32x16 a, i32x16 b) {
 #if defined(__AVX512BW__)
   __m512i va, vb, vacc;
   std::memcpy(&va, &a, 64);
@@ -466,7 +469,7 @@ ALWAYS_INLINE i32x16 add_pair_products(i32x16 acc, i32x16 a, i32x16 b) {
 }
 
 // 32 lanes of 16 bits -> 16 lanes of 32 bits, each the sum of its two 16-bit halves (vpmaddwd by ones).
-ALWAYS_INLINE i32x16 widen_pairs(i32x16 pairs) {
+ALWAYS_INLINE i32x16 int4_group_sum(i32x16 pairs) {
 #if defined(__AVX512BW__)
   __m512i v;
   std::memcpy(&v, &pairs, 64);
@@ -480,6 +483,9 @@ ALWAYS_INLINE i32x16 widen_pairs(i32x16 pairs) {
 #endif
   return pairs;
 }
+#else
+ALWAYS_INLINE i32x16 add_int4_products(i32x16 acc, i32x16 a, i32x16 b) { return dot4(acc, a, b); }
+ALWAYS_INLINE i32x16 int4_group_sum(i32x16 sums) { return sums; }
 #endif
 
 ALWAYS_INLINE f32x16 load_f16(const uint16_t* p) {  // 16 float16 -> float32, exactly
@@ -527,7 +533,6 @@ struct Q4x8Panel {
   // rows' integer dot products over group g: isum[r] for r < ROWS (zero on entry)
   template <int ROWS>
   ALWAYS_INLINE void group(int64_t g, const int8_t* const* xq, i32x16* isum) const {
-#if defined(__AVX512VNNI__) || !(defined(__AVX2__) || defined(__AVX512BW__))
 #pragma GCC unroll 4
     for (int t = 0; t < GROUP / 8; ++t) {
       prefetch(packed + (g * (GROUP / 8) + t) * 64);
@@ -536,31 +541,12 @@ struct Q4x8Panel {
       const int64_t k = g * GROUP + 8 * t;
 #pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) {
-        isum[r] = dot4(isum[r], low, broadcast4(xq[r] + k));
-        isum[r] = dot4(isum[r], high, broadcast4(xq[r] + k + 4));
-      }
-    }
-#else
-    // Without VNNI each dot4 is three instructions (vpmaddubsw, vpmaddwd by ones, vpaddd). The group's pair sums
-    // are added in 16 bits first and widened once: each is at most 2 * 15 * 127 = 3,810 in magnitude and a lane
-    // takes 8 of them (30,480 < 2^15), so the 32-bit sums, and every result, are exactly the dot4 path's.
-    i32x16 pairs[ROWS];  // 32 lanes of 16 bits each
-    for (int r = 0; r < ROWS; ++r) pairs[r] = i32x16{};
-#pragma GCC unroll 4
-    for (int t = 0; t < GROUP / 8; ++t) {
-      prefetch(packed + (g * (GROUP / 8) + t) * 64);
-      const i32x16 v = load_i32(packed + (g * (GROUP / 8) + t) * 64);
-      const i32x16 low = v & 0x0F0F0F0F, high = (v >> 4) & 0x0F0F0F0F;
-      const int64_t k = g * GROUP + 8 * t;
-#pragma GCC unroll 8
-      for (int r = 0; r < ROWS; ++r) {
-        pairs[r] = add_pair_products(pairs[r], low, broadcast4(xq[r] + k));
-        pairs[r] = add_pair_products(pairs[r], high, broadcast4(xq[r] + k + 4));
+        isum[r] = add_int4_products(isum[r], low, broadcast4(xq[r] + k));
+        isum[r] = add_int4_products(isum[r], high, broadcast4(xq[r] + k + 4));
       }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) isum[r] = widen_pairs(pairs[r]);
-#endif
+    for (int r = 0; r < ROWS; ++r) isum[r] = int4_group_sum(isum[r]);
   }
   ALWAYS_INLINE f32x16 term(int64_t g, i32x16 isum, float d, float scaled_sum) const {
     return simd::fma(to_f32(isum), load_f16(scales + g * LANES) * d, load_f16(minimums + g * LANES) * scaled_sum);
