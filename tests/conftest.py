@@ -36,11 +36,12 @@ def tiny_llama() -> Target:
     return load_target(TargetConfig(name="tiny_llama", source="tiny", device="cpu"))
 
 
-def small_vocab_target(vocab_size: int = 5, seed: int = 3, init_std: float = 0.35, family: str = "llama") -> Target:
+def small_vocab_target(vocab_size: int = 5, seed: int = 3, init_std: float = 0.35, family: str = "llama",
+                       sliding_window: int = 0) -> Target:
     """A tiny target over a handful of tokens, so exact sequence probabilities can be enumerated
     (and its greedy output repeats itself, so n-gram drafts get accepted)."""
     model = build_tiny_model(TinyModelConfig(family=family, hidden_size=32, intermediate_size=64, init_std=init_std,
-                                             seed=seed), vocab_size=vocab_size)
+                                             seed=seed, sliding_window=sliding_window), vocab_size=vocab_size)
     return Target(model, byte_tokenizer(), name="small_vocab")
 
 

@@ -25,7 +25,7 @@ from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequenc
 
 def small_lm(target: Target, seed: int = 7, layers: int = 1) -> Target:
     """A one-layer LM of the target's family over the same byte tokenizer (a stand-in draft model)."""
-    family = target.model.config.model_type
+    family = target.model.config.model_type.removesuffix("_text")  # gemma3_text: the Gemma 3 family
     model = build_tiny_model(TinyModelConfig(family=family, num_layers=layers, seed=seed),
                              vocab_size=target.vocab_size)
     return Target(model.eval(), byte_tokenizer(), name="draft")

@@ -231,7 +231,7 @@ def test_a_compiled_step_tells_caches_of_one_length_apart_by_their_strides(tiny_
     prompt = prompt_for(tiny_llama)[:20]
     small, large = (backend.cache_for(capacity) for capacity in (64, 128))
     tokens, positions = torch.tensor([[5, 6, 7, 8]]), torch.arange(20, 24)[None]
-    mask = backend.mask(torch.ones(4, 4, dtype=torch.bool).tril(), 20, 64)
+    mask = backend.mask(torch.ones(4, 4, dtype=torch.bool).tril(), 20, 64, positions)
     results = []
     for runner, cache in ((backend, small), (backend, large), (backend, small), (eager, eager.cache_for(64))):
         runner.prefill(cache, 0, prompt, ())

@@ -23,7 +23,8 @@ from eagle_lab.decoding.scoring import DynamicScorer, Scorer
 from eagle_lab.decoding.static_cache import EAGER_BLOCK, StaticKVCache
 from eagle_lab.decoding.static_rows import RowScorer, StaticRows
 from eagle_lab.errors import EagleLabError
-from eagle_lab.models.target import Target, additive_mask, causal_mask
+from eagle_lab.models.masks import Mask, causal_mask
+from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
 COMPILE_CHOICES = ("auto", "true", "false")
@@ -164,14 +165,15 @@ class StaticBackend:
         """Whether compiled graphs of this target's plain step were built on this machine (loaded, not built)."""
         return self._steps.has_graphs(self.cache_for(max(self.min_capacity, self.cache_block)))
 
-    def mask(self, allowed: torch.Tensor, past: int, capacity: int) -> torch.Tensor:
-        """allowed: [K, K] bool among the new tokens -> additive [1, 1, K, capacity]: the prefix [0, past)
+    def mask(self, allowed: torch.Tensor, past: int, capacity: int, positions: torch.Tensor) -> Mask:
+        """allowed: [K, K] bool among K new tokens written at slots past .. past + K - 1 of each of R rows, at
+        positions [R, K] -> additive [R, 1, K, capacity] (per layer type where they mix): the prefix [0, past)
         is visible to all, stale entries past past + K are hidden."""
-        k = allowed.shape[0]
-        full = torch.zeros(k, capacity, dtype=torch.bool, device=allowed.device)
-        full[:, :past] = True
-        full[:, past:past + k] = allowed
-        return additive_mask(full, self.target.dtype).view(1, 1, k, capacity)
+        k, rows = allowed.shape[0], positions.shape[0]
+        full = torch.zeros(rows, k, capacity, dtype=torch.bool, device=allowed.device)  # [R, K, L]
+        full[:, :, :past] = True
+        full[:, :, past:past + k] = allowed
+        return self.target.layout.masks(full, positions, past, self.target.dtype)
 
     def prefill(self, cache: StaticKVCache, row: int, prompt_ids: torch.Tensor, layer_ids: tuple[int, ...]):
         """prompt_ids: [T] into row `row` of the cache from position 0, eagerly (prompt lengths vary), over a
@@ -181,8 +183,8 @@ class StaticBackend:
         view = cache.eager_prefix(row, 1, count)
         view.set_length(0)
         causal = causal_mask(count, prompt_ids.device)  # [T, T]
-        mask = self.mask(causal, past=0, capacity=view.capacity)  # [1, 1, T, L]
         positions = torch.arange(count, device=prompt_ids.device)[None]  # [1, T]
+        mask = self.mask(causal, 0, view.capacity, positions)  # [1, 1, T, L]
         return self._steps.backbone(view, prompt_ids[None], positions, mask, layer_ids)
 
     def attended_lengths(self, capacity: int) -> list[int]:
@@ -226,9 +228,8 @@ class StaticBackend:
             start = length - tokens
             tensors = [tensor for layer in view.layers for tensor in (layer.keys, layer.values)]  # [R, kvH, L, D]
             saved = [tensor[:, :, start:].clone() for tensor in tensors]  # what the dummy step overwrites
-            causal = causal_mask(tokens, device)
-            mask = self.mask(causal, start, length).expand(rows, -1, -1, -1)  # [R, 1, K, L]
             positions = torch.arange(start, length, device=device).repeat(rows, 1)  # [R, K]
+            mask = self.mask(causal_mask(tokens, device), start, length, positions)  # [R, 1, K, L]
             input_ids = torch.zeros(rows, tokens, dtype=torch.long, device=device)
             view.set_length(start)
             self._steps.run(view, input_ids, positions, mask, layer_ids)

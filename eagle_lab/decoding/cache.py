@@ -34,7 +34,8 @@ def keep_accepted(cache, past_len: int, accepted: torch.Tensor) -> None:
             if not getattr(layer, "is_initialized", True) or layer.keys is None:
                 continue
             if getattr(layer, "is_sliding", False):
-                raise TypeError("sliding-window cache layers are not supported by tree verification")
+                raise TypeError("a sliding-window cache layer drops old entries and cannot keep a tree's path; build "
+                                "the cache from Target.cache_config (every layer keeps every position)")
             index = accepted.to(layer.keys.device) + past_len
             for row in range(layer.keys.shape[0]):  # keys/values: [B, kvH, T, D]
                 move_row_entries((layer.keys, layer.values), row, index, past_len)

@@ -30,6 +30,7 @@ from eagle_lab.decoding.step_graph import FlatStep, Step, cache_inputs
 from eagle_lab.models.device import cpu_features
 from eagle_lab.models.native import op_schemas
 from eagle_lab.models.embedded import cache_root
+from eagle_lab.models.masks import contiguous
 from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ class StepCompiler:
     @torch.no_grad()
     def run(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
         # a graph is specialised on strides too: inputs are made contiguous
-        input_ids, positions, mask = input_ids.contiguous(), positions.contiguous(), mask.contiguous()
+        input_ids, positions, mask = input_ids.contiguous(), positions.contiguous(), contiguous(mask)
         # the cache's strides too: two views of one length over caches of different capacities are one shape
         key = (cache.capacity, input_ids.shape[0], input_ids.shape[1], layer_ids, cache.layers[0].keys.stride())
         if self.runs_eager(input_ids.shape[0], input_ids.shape[1], layer_ids) or key in self._missing:

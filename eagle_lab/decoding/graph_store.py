@@ -114,6 +114,8 @@ def _describe(value) -> object:
         return [list(value.shape), list(value.stride()), str(value.dtype), value.device.type]
     if isinstance(value, (list, tuple)):
         return [_describe(item) for item in value]
+    if isinstance(value, dict):  # a mask per layer type
+        return {str(key): _describe(item) for key, item in sorted(value.items())}
     return repr(value)
 
 

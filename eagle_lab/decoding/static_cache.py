@@ -19,6 +19,7 @@ import torch
 from transformers import StaticCache
 
 from eagle_lab.decoding.cache import move_row_entries
+from eagle_lab.models.masks import cache_config
 from eagle_lab.errors import EagleLabError
 
 EAGER_BLOCK = 16  # positions an eager forward's attended length is rounded to (views of that length are kept)
@@ -87,12 +88,9 @@ class StaticKVCache:
                  stacked: tuple[torch.Tensor, torch.Tensor] | None = None):
         """hf_cache: the layers of a view (view()), with `stacked` its slice of the owner's stacked storage."""
         self.capacity, self.rows = capacity, rows
+        config = cache_config(config)  # every layer keeps every position; a sliding window is the masks' work
         self.config, self.device, self.dtype = config, device, dtype
         self.hf_cache = hf_cache if hf_cache is not None else StaticCache(config=config, max_cache_len=capacity)
-        for layer in self.hf_cache.layers:
-            if getattr(layer, "is_sliding", False):
-                raise EagleLabError("sliding-window attention layers are not supported by the static cache; "
-                                    "use compile=false (the dynamic cache)")
         if hf_cache is None:  # allocated up front, so that views can be taken before the first forward
             kv_heads, head_dim = _kv_shape(config)
             self.hf_cache.early_initialization(rows, kv_heads, head_dim, dtype, device)

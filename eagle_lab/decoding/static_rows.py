@@ -30,7 +30,8 @@ import torch
 
 from eagle_lab.decoding.scoring import Scored
 from eagle_lab.decoding.static_cache import StaticKVCache
-from eagle_lab.models.target import Target, additive_mask, causal_mask
+from eagle_lab.models.masks import causal_mask
+from eagle_lab.models.target import Target
 from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.tree import DraftTree
 
@@ -167,9 +168,8 @@ class StaticRows:
             positions[i, :n] = row.past + depths
             allowed[i, :n, :row.past] = True
             allowed[i, :n, width:width + n] = tree_mask.to(device)
-        mask = additive_mask(allowed, dtype)
-        hidden, layers, logits = self.backend.step(self.cache, width, length, input_ids, positions, mask[:, None],
-                                                   layer_ids)
+        mask = self.target.layout.masks(allowed, positions, width, dtype)  # (B, 1, K, L), per layer type if mixed
+        hidden, layers, logits = self.backend.step(self.cache, width, length, input_ids, positions, mask, layer_ids)
         out = []
         for row, (tokens, _, _) in zip(rows, nodes):
             n, i = tokens.numel(), row.index

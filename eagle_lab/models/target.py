@@ -7,18 +7,19 @@ returns features (the LM-head input) and logits, and the loop decides.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from eagle_lab.models.attention import use_cpu_attention
 from eagle_lab.models.device import integer_dot_products, resolve_device, resolve_dtype
 from eagle_lab.models.embedded import smollm2_dir
+from eagle_lab.models.masks import FULL, AttentionLayout, Mask, cache_config, tree_attention_mask
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.model_shape import ModelShape
 from eagle_lab.models.stable_linear import StableLinear, convert_linears
@@ -44,6 +45,21 @@ class TargetConfig:
     weights: str = "auto"
 
 
+class HeadRotary(nn.Module):
+    """The target's rotary embedding as a draft head calls it: (x, positions [B, T]) -> (cos, sin) [B, T, D]. A
+    model with a table per layer type (Gemma 3: local and global bases) gives the head its full-attention table."""
+
+    def __init__(self, rotary: nn.Module):
+        super().__init__()
+        self.rotary = rotary
+        self.layer_type = FULL if "layer_type" in inspect.signature(type(rotary).forward).parameters else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.layer_type is None:
+            return self.rotary(x, positions)
+        return self.rotary(x, positions, self.layer_type)
+
+
 @dataclass
 class TargetOutput:
     features: torch.Tensor  # [B, K, H] top hidden state, the LM-head input
@@ -66,6 +82,9 @@ class Target(ModelShape):
         self.max_context = min(max_context, model_limit) if max_context > 0 else model_limit
         params = inspect.signature(self.backbone.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.rotary = HeadRotary(self.backbone.rotary_emb)  # (x, positions) -> cos, sin: what draft heads rotate by
+        self.layout = AttentionLayout.of(self.config)  # full or sliding-window layers (eagle_lab/models/masks.py)
+        self.cache_config = cache_config(self.config)  # what the caches are built from: every layer keeps all
 
     @property
     def linear_kernel(self) -> str:
@@ -95,7 +114,7 @@ class Target(ModelShape):
         return ids
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+        return DynamicCache(config=self.cache_config)
 
     @torch.no_grad()
     def forward(
@@ -105,14 +124,14 @@ class Target(ModelShape):
         position_ids: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         layer_ids: tuple[int, ...] = (),
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: Mask | None = None,
     ) -> TargetOutput:
         """Score `input_ids` [B, K] after the cached prefix.
 
         tree_mask: [K, K] bool, True where node i may attend to node j (ancestors and
         itself); None means plain causal attention.
-        attention_mask: a prepared additive [B, 1, K, past + K] mask instead (a draft model's frontier,
-        eagle_lab/drafters/draft_model/drafter.py); it overrides tree_mask.
+        attention_mask: a prepared additive [B, 1, K, past + K] mask instead, per layer type where they mix (a
+        draft model's frontier, eagle_lab/drafters/draft_model/drafter.py); it overrides tree_mask.
         layer_ids: also return the hidden states entering these decoder layers (Hugging Face
         `hidden_states[i]`, where 0 is the embedding output; the convention EAGLE-3, vLLM and
         SGLang use for their auxiliary layers), concatenated on the last dim.
@@ -122,7 +141,7 @@ class Target(ModelShape):
             kwargs["attention_mask"] = attention_mask
         elif tree_mask is not None:
             past = cache.get_seq_length() if cache is not None else 0
-            kwargs["attention_mask"] = tree_attention_mask(tree_mask, past, self.dtype)
+            kwargs["attention_mask"] = tree_attention_mask(tree_mask, past, position_ids, self.layout, self.dtype)
         if layer_ids:
             kwargs["output_hidden_states"] = True
         out = self.backbone(input_ids=input_ids, position_ids=position_ids, **kwargs)
@@ -134,46 +153,6 @@ class Target(ModelShape):
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V] in float32 (sampling and acceptance need full precision)."""
         return self.lm_head(features).float()
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean attention mask (True: may attend) as the additive float mask attention takes: 0 where allowed,
-    the dtype's lowest value elsewhere; same shape. One `where` over two cached scalars: a speculative round
-    builds masks several times, and zeros + masked_fill cost three kernels each."""
-    zero, lowest = _mask_values(dtype, allowed.device)
-    return torch.where(allowed, zero, lowest)
-
-
-@functools.lru_cache(maxsize=16)
-def _mask_values(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """0-d tensors (0, the dtype's lowest value) for additive_mask: read only."""
-    return (torch.zeros((), dtype=dtype, device=device),
-            torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device))
-
-
-def causal_mask(count: int, device: torch.device) -> torch.Tensor:
-    """[count, count] bool, True on and below the diagonal: a chain's ancestor-or-self mask. Read only: the
-    small ones a round asks for are cached (callers copy from them), and none is built with `tril`, which
-    opens a parallel region on CPU (about 0.1 ms with the decoding threads asleep)."""
-    return _small_causal_mask(count, device) if count <= 64 else _causal_mask(count, device)
-
-
-@functools.lru_cache(maxsize=64)
-def _small_causal_mask(count: int, device: torch.device) -> torch.Tensor:
-    return _causal_mask(count, device)
-
-
-def _causal_mask(count: int, device: torch.device) -> torch.Tensor:
-    steps = torch.arange(count, device=device)
-    return steps[:, None] >= steps[None, :]
-
-
-def tree_attention_mask(tree_mask: torch.Tensor, past_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """[K, K] bool -> [1, 1, K, past_len + K] additive mask: the prefix is visible to all."""
-    k = tree_mask.shape[0]
-    allowed = torch.ones(k, past_len + k, dtype=torch.bool, device=tree_mask.device)
-    allowed[:, past_len:] = tree_mask
-    return additive_mask(allowed, dtype).view(1, 1, k, past_len + k)
 
 
 def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:

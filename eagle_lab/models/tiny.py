@@ -1,4 +1,4 @@
-"""Tiny random-weight targets (Llama, Qwen2, Mistral shapes) and a byte-level tokenizer.
+"""Tiny random-weight targets (Llama, Qwen2, Mistral, Gemma 3 shapes) and a byte-level tokenizer.
 
 They exercise every code path of a real target in milliseconds; weights come from a fixed
 seed, so two loads give the same model.
@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, PreTrainedTokenizerFast,
+                          Qwen2Config)
 
 from eagle_lab.errors import EagleLabError
 
@@ -20,7 +21,7 @@ CHATML_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BYTE_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
-_FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+_FAMILIES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "gemma3": Gemma3TextConfig}
 
 
 @dataclass
@@ -36,6 +37,10 @@ class TinyModelConfig:
     # model's are, so greedy argmax is far from ties and sampling tests see real structure.
     init_std: float = 0.3
     seed: int = 0
+    # tokens a sliding-window layer attends over (0: none). Mistral and Qwen2 then slide in every layer, Gemma 3
+    # in every layer but each `global_every`-th (its own default is 6; one full layer in two here)
+    sliding_window: int = 0
+    global_every: int = 2
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -58,7 +63,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 def build_tiny_model(cfg: TinyModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) -> torch.nn.Module:
     if cfg.family not in _FAMILIES:
         raise EagleLabError(f"unknown tiny family '{cfg.family}' (choose from {', '.join(_FAMILIES)})")
-    extra = {"sliding_window": None} if cfg.family == "mistral" else {}
+    extra = _window_options(cfg)
     eos, pad = 256 + SPECIAL_TOKENS.index("<|im_end|>"), 256
     if vocab_size <= eos:  # a toy vocabulary without the tokenizer's special tokens
         eos = pad = None
@@ -82,3 +87,21 @@ def build_tiny_model(cfg: TinyModelConfig, vocab_size: int = BYTE_VOCAB_SIZE) ->
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
+
+
+def _window_options(cfg: TinyModelConfig) -> dict:
+    """The family's config options that give it `cfg.sliding_window` (or none)."""
+    window = cfg.sliding_window or None
+    if cfg.family == "mistral":
+        return {"sliding_window": window}
+    if cfg.family == "qwen2":
+        return {"use_sliding_window": window is not None, "sliding_window": window, "max_window_layers": 0}
+    if cfg.family == "gemma3":
+        kinds = ["full_attention" if (i + 1) % cfg.global_every == 0 else "sliding_attention"
+                 for i in range(cfg.num_layers)]
+        return {"sliding_window": window or cfg.max_position_embeddings,
+                "layer_types": kinds if window else ["full_attention"] * cfg.num_layers,
+                "head_dim": cfg.hidden_size // cfg.num_heads, "query_pre_attn_scalar": cfg.hidden_size // cfg.num_heads}
+    if window is not None:
+        raise EagleLabError(f"tiny family '{cfg.family}' has no sliding-window layers (mistral, qwen2 and gemma3 do)")
+    return {}

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from eagle_lab.decoding.cache import move_row_entries
-from eagle_lab.models.target import additive_mask, causal_mask
+from eagle_lab.models.masks import additive_mask, causal_mask
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.growth import TreeGrowth
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache

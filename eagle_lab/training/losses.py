@@ -84,7 +84,7 @@ def _unroll(head, target, batch: Batch, steps: int, noise_std: float):
     if noise_std > 0:
         feats = feats + (torch.rand_like(feats) - 0.5) * (noise_std * 12 ** 0.5)  # uniform, std = noise_std
     positions = torch.arange(embeds.shape[1], device=embeds.device)[None].expand(embeds.shape[0], -1)  # [B, T-1]
-    cos, sin = target.backbone.rotary_emb(embeds, positions)
+    cos, sin = target.rotary(embeds, positions)
     return unrolled_hidden(head, embeds, feats, cos, sin, steps)
 
 

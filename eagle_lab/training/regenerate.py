@@ -15,8 +15,8 @@ first missing chunk, and ranks deal out the missing chunks between them.
 
 Decoding: by default on the `rows` rows of one static cache with continuous batching
 (eagle_lab.decoding.batch_generate), several chunks at a time, so no row computes past the end
-of its reply; a target the static cache cannot hold (sliding-window layers), or `rows=0`, uses
-a batched Hugging Face `generate` per chunk. Each conversation samples from its own seed.
+of its reply; a target the static cache cannot hold, or `rows=0`, uses a batched Hugging Face
+`generate` per chunk. Each conversation samples from its own seed.
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def reply_rows(target: Target, rows: int, max_length: int) -> StaticRows | None:
     backend = StaticBackend(target, buckets=[1], compiled=False)
     try:
         return StaticRows(backend, rows, max_length, token_buckets=[1], row_counts=[rows])
-    except EagleLabError as err:  # e.g. sliding-window layers
+    except EagleLabError as err:
         log.info("regenerate: Hugging Face generate instead of the static cache (%s)", err)
         return None
 

@@ -28,7 +28,8 @@ from eagle_lab.decoding.backend import Backend, EagerBackend
 from eagle_lab.decoding.generate import Stopper, speculative_decode
 from eagle_lab.drafters.ngram import NgramProposer
 from eagle_lab.decoding.sampling import SamplingParams
-from eagle_lab.models.target import Target, causal_mask
+from eagle_lab.models.masks import causal_mask
+from eagle_lab.models.target import Target
 
 K_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 

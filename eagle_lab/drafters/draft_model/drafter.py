@@ -19,7 +19,8 @@ from eagle_lab.decoding.sampling import DraftSampling
 from eagle_lab.drafters.growth import Candidates, TreeShape, grow_dynamic_tree
 from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
 from eagle_lab.errors import EagleLabError
-from eagle_lab.models.target import Target, additive_mask
+from eagle_lab.models.masks import additive_mask
+from eagle_lab.models.target import Target
 from eagle_lab.decoding.tree import DraftTree, root_only_tree
 
 

@@ -55,7 +55,7 @@ class EagleDrafter:
         self._round: tuple[int, float | None] | None = None
         self._unseen: torch.Tensor | None = None  # [P, F] features of rounds that drafted nothing, fed next time
         self.ngram = ngram  # hybrid drafting: an n-gram chain merged into every tree (None: off)
-        self.rotary = target.backbone.rotary_emb
+        self.rotary = target.rotary
         rows = draft_lm_head_weight(head, target)  # [Vd, H]
         # in the head's dtype when it reads them (a bf16 copy beside an fp32 target: head.draft_dtype)
         self.lm_weight = rows.to(head.dtype) if head.reads_target_lm_rows else rows

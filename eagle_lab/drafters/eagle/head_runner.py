@@ -24,7 +24,7 @@ from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache
 from eagle_lab.drafters.eagle.head_step import STEP_SOURCES, HeadStep, BoundHeadStep
 from eagle_lab.models.native import op_schemas
-from eagle_lab.models.target import additive_mask
+from eagle_lab.models.masks import additive_mask
 
 log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 4, 16)  # rows per compiled head step; more rows (a prompt's first commit) run 16 at a time
