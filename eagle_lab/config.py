@@ -122,7 +122,7 @@ class ServeConfig:
     method: str = "eagle"  # eagle | vanilla | ngram | draft_model | medusa
     prompt: str = ""
     prompts_file: str = ""
-    chat: bool = True
+    chat: bool | None = None  # prompts through the tokenizer's chat template; None: the target's own default
     system: str = ""  # optional system message when chat=true
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -134,6 +134,10 @@ class ServeConfig:
     output: str = "text"  # text (streamed) | json (one object per prompt)
     # also decode each prompt plainly (method=vanilla, same backend) and print speed, tau and whether equal
     compare: bool = False
+
+    def __post_init__(self):
+        if self.chat is None:
+            self.chat = self.target.chat
 
 
 @dataclass

@@ -25,7 +25,7 @@ from transformers import AutoConfig
 from eagle_lab.drafters.card import read_card, write_card
 from eagle_lab.models.device import _DTYPES
 from eagle_lab.models import llama_cpp
-from eagle_lab.models.embedded import smollm2_dir
+from eagle_lab.models.embedded import embedded_dir
 from eagle_lab.errors import EagleLabError
 from eagle_lab.drafters.eagle.layouts import export_head, format_kind, load_head, stored_dtype
 from eagle_lab.models.model_shape import ModelShape
@@ -108,7 +108,7 @@ def config_target(cfg) -> ConfigTarget:
         return ConfigTarget(build_tiny_model(cfg.tiny).config, cfg.name)
     path = cfg.path
     if cfg.source == "embedded":
-        path = str(smollm2_dir())
+        path = str(embedded_dir(cfg.name))
     if not path:
         raise EagleLabError(f"target '{cfg.name}' has source=pretrained but no path")
     try:
@@ -171,7 +171,7 @@ def _export_gguf(head, target, cfg, out: Path, dtype, source: Path, outtype: str
     if target_dir:
         model_dir = Path(target_dir).expanduser()
     elif cfg.source == "embedded":
-        model_dir = smollm2_dir()
+        model_dir = embedded_dir(cfg.name)
     elif cfg.source == "pretrained" and Path(cfg.path).expanduser().is_dir():
         model_dir = Path(cfg.path).expanduser()
     else:

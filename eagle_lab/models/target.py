@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from eagle_lab.models.attention import use_cpu_attention
 from eagle_lab.models.device import integer_dot_products, resolve_device, resolve_dtype
-from eagle_lab.models.embedded import smollm2_dir
+from eagle_lab.models.embedded import embedded_dir, embedded_model
 from eagle_lab.models.masks import FULL, AttentionLayout, Mask, cache_config, tree_attention_mask
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.model_shape import ModelShape
@@ -43,6 +43,7 @@ class TargetConfig:
     # the linear weights on CPU (eagle_lab/models/stable_linear.py): fp32 | bf16 | int8 (GGUF Q8_0) | int4 (GGUF
     # Q4_1, LM head Q8_0) | auto: the precision the weights ship in (int4 for the embedded GGUF, else fp32)
     weights: str = "auto"
+    chat: bool = True  # replies to chat turns (its chat template); false: a base model continuing raw text
 
 
 class HeadRotary(nn.Module):
@@ -167,7 +168,7 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
     else:
         path = cfg.path
         if cfg.source == "embedded":
-            path = str(smollm2_dir())
+            path = str(embedded_dir(cfg.name))
         if not path:
             raise EagleLabError(f"target '{cfg.name}' has source=pretrained but no target.path")
         model, tokenizer = _load_pretrained(path, dtype, cfg)
@@ -190,7 +191,7 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
 
 
 def shipped_weights(cfg: TargetConfig) -> str:
-    """target.weights with `auto` resolved. The embedded target on CPU runs at its GGUF's precision (Q4_1 with a
+    """target.weights with `auto` resolved. The embedded SmolLM2 on CPU runs at its GGUF's precision (Q4_1 with a
     Q8_0 LM head): w4a8 where the CPU has integer dot products (AVX512-VNNI or AVX2: int8 activations, as
     llama.cpp computes that file; the fastest lossless choice at every row count on both, docs/benchmarks.md),
     else int4 (the same weights over float32 activations, bitwise the numbers fp32 holds). Other targets: fp32."""
@@ -198,7 +199,8 @@ def shipped_weights(cfg: TargetConfig) -> str:
         return cfg.weights
     device = resolve_device(cfg.device)
     on_cpu = device.type == "cpu" and resolve_dtype(cfg.dtype, device) == torch.float32
-    if cfg.source != "embedded" or not on_cpu:
+    shipped = embedded_model(cfg.name).weights if cfg.source == "embedded" else "fp32"
+    if shipped == "fp32" or not on_cpu:
         return "fp32"
     return "w4a8" if integer_dot_products() else "int4"
 
