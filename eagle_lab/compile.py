@@ -18,16 +18,15 @@ import hydra
 from omegaconf import DictConfig
 
 from eagle_lab.builders import build_decoder, make_drafter, make_generator
-from eagle_lab.errors import run_entry
 from eagle_lab.config import ServeConfig, register_configs, to_object
 from eagle_lab.decoding.backend import StaticBackend, build_backend
-from eagle_lab.decoding.graph_store import GraphStore
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import Stopper, generate
-from eagle_lab.models.prompts import as_tensor, encode_prompt
+from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.decoding.sampling import SamplingParams
-from eagle_lab.serving.server import SERVER_TEMPERATURES, check_server_config, prepare_decoding
+from eagle_lab.errors import EagleLabError, run_entry
+from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.models.target import load_target
+from eagle_lab.serving.server import SERVER_TEMPERATURES, check_server_config, prepare_decoding
 
 log = logging.getLogger(__name__)
 register_configs()

@@ -14,9 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from eagle_lab.decoding.backend import DecodingConfig
 from eagle_lab.models.target import TargetConfig
+from eagle_lab.training.data import DataConfig
 from eagle_lab.training.losses import LossConfig
 from eagle_lab.tree_search.space import TreeConfig
-from eagle_lab.training.data import DataConfig
 
 
 @dataclass

@@ -2,8 +2,9 @@
 
 Writes a trained head in the layout vLLM, SGLang and the official EAGLE code load
 (see eagle_lab.drafters.eagle.layouts); format=gguf writes the pair llama.cpp serves an EAGLE-3 head with
-(eagle_lab.models.llama_cpp): `target-<type>.gguf` and `head.gguf`, through llama.cpp's own converter. The target is only read for its config (rotary settings, context
-length, special token ids) and to check the head fits it; its weights are not loaded.
+(eagle_lab.models.llama_cpp): `target-<type>.gguf` and `head.gguf`, through llama.cpp's own converter.
+The target is only read for its config (rotary settings, context length, special token ids) and to
+check the head fits it; its weights are not loaded.
 
   target=NAME   a config under conf/target/ (or a .yaml path); default: the run's target
                 (`resolved_config.yaml` next to the head directory), else smollm2_135m
@@ -23,11 +24,11 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from eagle_lab.drafters.card import read_card, write_card
-from eagle_lab.models.device import _DTYPES
-from eagle_lab.models import llama_cpp
-from eagle_lab.models.embedded import embedded_dir
-from eagle_lab.errors import EagleLabError
 from eagle_lab.drafters.eagle.layouts import export_head, format_kind, load_head, stored_dtype
+from eagle_lab.errors import EagleLabError
+from eagle_lab.models import llama_cpp
+from eagle_lab.models.device import _DTYPES
+from eagle_lab.models.embedded import embedded_dir
 from eagle_lab.models.model_shape import ModelShape
 from eagle_lab.models.target import SOURCES, TargetConfig
 from eagle_lab.models.tiny import build_tiny_model

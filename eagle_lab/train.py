@@ -6,9 +6,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from eagle_lab.config import register_configs
 from eagle_lab.drafters.card import reproducing_command
 from eagle_lab.errors import run_entry
-from eagle_lab.config import register_configs
 from eagle_lab.training.trainer import run
 
 register_configs()

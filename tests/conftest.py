@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
+from eagle_lab.decoding.tree import DraftTree, build_tree, root_only_tree
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
-from eagle_lab.decoding.tree import DraftTree, build_tree, root_only_tree
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 FAMILIES = ("llama", "qwen2", "mistral")

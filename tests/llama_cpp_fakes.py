@@ -25,7 +25,8 @@ else:
     sys.stdout.write("\\n\\n" + prompt + "x" * budget + "\\n\\n\\n")
     sys.stderr.write("encoded    5 tokens in    0.010 seconds, speed: 500 t/s\\n")
     sys.stderr.write("decoded {{:4d}} tokens in    {{:.3f}} seconds, speed: 1 t/s\\n".format(budget, 0.001 * budget))
-    sys.stderr.write("n_draft   = 3\\nn_predict = {{}}\\nn_drafted = 9\\nn_accept  = {{}}\\n".format(budget, budget // 2))
+    sys.stderr.write("n_draft   = 3\\nn_predict = {{}}\\n"
+                     "n_drafted = 9\\nn_accept  = {{}}\\n".format(budget, budget // 2))
 '''
 
 

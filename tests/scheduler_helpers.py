@@ -9,9 +9,9 @@ import torch
 
 from eagle_lab.decoding.backend import StaticBackend
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.models.prompts import as_tensor, encode_prompt
-from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.engine import Engine, Finished, Plan
 from eagle_lab.serving.scheduler import Job, Scheduler
 

@@ -115,7 +115,7 @@ class HeldRounds:
     def peak(self) -> int:
         return max(self.sizes, default=0)
 
-    def __enter__(self) -> "HeldRounds":
+    def __enter__(self) -> HeldRounds:
         self._original = self.scheduler._round
         self.scheduler._round = self._round
         return self

@@ -13,21 +13,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.decoding.generate import Stopper
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.models.prompts import as_tensor, encode_prompt
-from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batch_draft import BatchDrafter, HeadBatch
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.sequence import Sequence, score_rows
 from tests.conftest import small_vocab_target
-from tests.serving_helpers import TINY, serve_config
 from tests.scheduler_helpers import Client, expected_alone, plan, run_plans, static_rows
+from tests.serving_helpers import TINY, serve_config
 
 SHAPES = (TreeShape(3, 2, 6), TreeShape(2, 3, 5), TreeShape(4, 1, 4), TreeShape(3, 2, 6))  # ragged k and depth
 
@@ -61,8 +61,9 @@ def same_tree(got, want) -> bool:
 def run_rounds(target, sequences, joining, drafting, depth_cap=None, rounds=40):
     """Rounds over the live sequences (`joining`: round -> sequence joining then), each drafted by
     `drafting` and, for every EAGLE row, by its twin alone; -> per round the unseen counts of EAGLE rows
-    whether every tree matched its twin's, the batch size, and how many EAGLE trees got n-gram nodes. The live
-    sequences are scored by one forward of their rows (one per kind of features their drafters read); depth_cap(round, index) lowers a row's max depth (as the context limit would)."""
+    whether every tree matched its twin's, the batch size, and how many EAGLE trees got n-gram nodes. The
+    live sequences are scored by one forward of their rows (one per kind of features their drafters read);
+    depth_cap(round, index) lowers a row's max depth (as the context limit would)."""
     twins = {id(s): s.drafter.fork() for s in sequences if isinstance(s.drafter, EagleDrafter)}
     live, log = list(sequences), []
     for number in range(rounds):

@@ -10,10 +10,10 @@ import torch
 
 from eagle_lab.decoding.backend import StaticBackend
 from eagle_lab.decoding.batch_generate import generate_on_rows, grouped_query_sdpa
-from eagle_lab.decoding.static_rows import StaticRows
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import Stopper, generate, vanilla_decode
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.static_rows import StaticRows
+from eagle_lab.errors import EagleLabError
 
 
 def rows_for(target, rows=2, context=64, row_counts=None) -> StaticRows:
@@ -65,7 +65,7 @@ def test_an_eos_ends_a_reply_and_is_not_kept(tiny_llama):
     free = generate_on_rows(rows_for(tiny_llama), prompts, SamplingParams(), 12, set())
     eos = free[1].token_ids[4]  # the 5th token of the second reply becomes an end token
     replies = generate_on_rows(rows_for(tiny_llama), prompts, SamplingParams(), 12, {eos})
-    for prompt, reply, whole in zip(prompts, replies, free):
+    for reply, whole in zip(replies, free):
         cut = whole.token_ids.index(eos) if eos in whole.token_ids else None
         assert reply.token_ids == (whole.token_ids if cut is None else whole.token_ids[:cut])
         assert reply.finished == (cut is not None)

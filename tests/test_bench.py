@@ -8,15 +8,15 @@ import json
 import pytest
 import torch
 
-from eagle_lab.benchmark.prompt_sets import load_bench_prompts
 from eagle_lab.benchmark.aggregate import acceptance_by_depth, ngram_share
 from eagle_lab.benchmark.hf_baseline import cut_hf_output
 from eagle_lab.benchmark.methods import GREEDY_ONLY, METHODS
+from eagle_lab.benchmark.prompt_sets import load_bench_prompts
 from eagle_lab.benchmark.run import run_bench
 from eagle_lab.config import BenchConfig, HeadConfig, MedusaConfig, NgramConfig, ServeConfig, TreeConfig
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import GenerationStats
 from eagle_lab.drafters.medusa.heads import save_medusa
+from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import TargetConfig, load_target
 from eagle_lab.models.tiny import TinyModelConfig
 from tests.llama_cpp_fakes import fake_gguf_dir, fake_llama_cpp
@@ -111,14 +111,16 @@ def test_bench_writes_results(bench_run, capsys):
 
 
 def test_bench_refuses_bad_methods(tmp_path):
-    cfg = ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
+    cfg = ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
+                      mode="bench",
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "medusa"]))
     with pytest.raises(EagleLabError, match="medusa"):
         run_bench(cfg, out_dir=tmp_path)
 
 
 def test_bench_refuses_bad_ngram_settings(tmp_path):
-    cfg = ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
+    cfg = ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
+                      mode="bench",
                       ngram=NgramConfig(min_match=3, max_match=2),
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "ngram"]))
     with pytest.raises(EagleLabError, match="max_match"):
@@ -173,8 +175,8 @@ def test_update_card_records_eagle_tau_per_tree_and_temperature(tmp_path):
     from eagle_lab.drafters.card import HeadCard, read_card, write_card
 
     write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
-    cfg = ServeConfig(compile="false", head=HeadConfig(path=str(tmp_path)), tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4,
-                                                                           total_tokens=12),
+    cfg = ServeConfig(compile="false", head=HeadConfig(path=str(tmp_path)),
+                      tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4, total_tokens=12),
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "eagle"], update_card=True))
     summary = {"0.0": {"eagle": {"tau": 1.91234}, "vanilla": {"tau": 1.0}}, "1.0": {"eagle": {"tau": 1.7}}}
     update_card(cfg, SimpleNamespace(name="tiny_llama"), summary, 20)
@@ -237,7 +239,8 @@ def test_methods_name_their_heads_and_run_side_by_side(tmp_path):
 @pytest.mark.parametrize("method, message", [("eagle/nope", "no head named 'nope'"),
                                              ("vanilla/eagle3", "only eagle, eagle\\+ngram take a head")])
 def test_bad_method_heads_are_refused(tmp_path, method, message):
-    cfg = ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
+    cfg = ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
+                      mode="bench",
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", method]))
     with pytest.raises(EagleLabError, match=message):
         run_bench(cfg, out_dir=tmp_path)
@@ -246,7 +249,8 @@ def test_bad_method_heads_are_refused(tmp_path, method, message):
 @pytest.mark.parametrize("method, message", [("eagle@nope", "unknown tree preset 'nope'.*cpu"),
                                              ("vanilla@cpu", "only eagle, eagle\\+ngram take a tree")])
 def test_bad_tree_presets_are_refused(tmp_path, method, message):
-    cfg = ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"), mode="bench",
+    cfg = ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
+                      mode="bench",
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", method]))
     with pytest.raises(EagleLabError, match=message):
         run_bench(cfg, out_dir=tmp_path)
@@ -259,8 +263,8 @@ def test_update_card_keys_each_tree_preset(tmp_path):
     from eagle_lab.drafters.card import HeadCard, read_card, write_card
 
     write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
-    cfg = ServeConfig(compile="false", head=HeadConfig(path=str(tmp_path)), tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4,
-                                                                           total_tokens=12),
+    cfg = ServeConfig(compile="false", head=HeadConfig(path=str(tmp_path)),
+                      tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4, total_tokens=12),
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "eagle", "eagle@auto"],
                                         update_card=True))
     summary = {"0.0": {"eagle": {"tau": 1.9}, "eagle@auto": {"tau": 1.0}, "vanilla": {"tau": 1.0}}}

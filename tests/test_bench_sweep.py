@@ -11,7 +11,8 @@ from eagle_lab.config import BenchConfig, HeadConfig, ServeConfig, TreeConfig
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import TargetConfig
 
-PROMPTS = ["Tell me about the sea.", "def add(a, b):", "Count: one two three four", "Hi", "A longer prompt, with words."]
+PROMPTS = ["Tell me about the sea.", "def add(a, b):", "Count: one two three four", "Hi",
+           "A longer prompt, with words."]
 
 
 def sweep_config(tmp_path, **bench) -> ServeConfig:

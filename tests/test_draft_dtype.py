@@ -9,20 +9,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_lab.models import device
 from eagle_lab.builders import build_head
 from eagle_lab.config import HeadConfig
 from eagle_lab.decoding.backend import StaticBackend
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.models import device
 from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.models.stable_linear import StableLinear
 from eagle_lab.models.target import Target
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model
-from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
@@ -85,7 +85,8 @@ def test_tree_auto_calibrations_of_a_bf16_and_an_fp32_head_are_kept_apart(tiny_l
     search = TreeSearchConfig()
     head = new_head(tiny_llama, seed=1)
     fp32 = calibration_fingerprint(tiny_llama, EagleDrafter(head, tiny_llama, TreeShape(2, 2, 3)), search)
-    bf16 = calibration_fingerprint(tiny_llama, EagleDrafter(head.to(torch.bfloat16), tiny_llama, TreeShape(2, 2, 3)), search)
+    bf16_drafter = EagleDrafter(head.to(torch.bfloat16), tiny_llama, TreeShape(2, 2, 3))
+    bf16 = calibration_fingerprint(tiny_llama, bf16_drafter, search)
     assert fp32 != bf16
 
 

@@ -9,15 +9,14 @@ import torch
 
 from eagle_lab.builders import build_draft_model_drafter
 from eagle_lab.config import TreeConfig
-from eagle_lab.drafters.growth import TreeShape
-from eagle_lab.drafters.growth import untuned_shape
-from eagle_lab.drafters.draft_model.store import is_layers_only, load_layers_only, save_draft_vocab, save_layers_only
-from eagle_lab.drafters.draft_model.drafter import DraftModelDrafter, check_same_tokenizer
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.sampling import SamplingParams
-from eagle_lab.serving.drafters import drafter_factory
+from eagle_lab.drafters.draft_model.drafter import DraftModelDrafter, check_same_tokenizer
+from eagle_lab.drafters.draft_model.store import is_layers_only, load_layers_only, save_draft_vocab, save_layers_only
+from eagle_lab.drafters.growth import TreeShape, untuned_shape
+from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import Target, TargetConfig
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
+from eagle_lab.serving.drafters import drafter_factory
 from tests.conftest import FAMILIES, small_vocab_target
 from tests.test_greedy_lossless import prompts, run_both
 from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs, sampled_sequences

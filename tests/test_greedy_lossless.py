@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from eagle_lab.builders import build_decoder
-from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.drafters.eagle.kinds import new_head
-from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from tests.conftest import OracleDrafter, small_vocab_target
 
 GREEDY = SamplingParams()
@@ -72,7 +72,8 @@ def test_eos_stops_both(tiny_llama):
     stop_at = plain.token_ids.index(plain.token_ids[10]) + 1
     for decoder in (
         vanilla_decode(tiny_llama, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, eos)),
-        speculative_decode(tiny_llama, OracleDrafter(tiny_llama), prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, eos)),
+        speculative_decode(tiny_llama, OracleDrafter(tiny_llama), prompt, GREEDY,
+                           Stopper(tiny_llama.tokenizer, 40, eos)),
     ):
         result = generate(decoder)
         assert result.token_ids == plain.token_ids[:stop_at]
@@ -110,7 +111,8 @@ def test_head_cache_equals_recomputation_after_multi_token_rounds(tiny_target):
     eagle = EagleDrafter(new_head(tiny_target, seed=3), tiny_target, TreeShape(depth=3, topk=2, total_tokens=5))
     drafter = EagleWithOracleTree(eagle, OracleDrafter(tiny_target, depth=4))
     prompt = prompts(1)[0]
-    result = generate(speculative_decode(tiny_target, drafter, prompt, GREEDY, Stopper(tiny_target.tokenizer, 30, set())))
+    stopper = Stopper(tiny_target.tokenizer, 30, set())
+    result = generate(speculative_decode(tiny_target, drafter, prompt, GREEDY, stopper))
     assert result.stats.accept_length > 3
     sequence = torch.cat([prompt, torch.tensor(result.token_ids)])
     committed = eagle.committed  # pairs (f_t, x_{t+1}) for t < committed

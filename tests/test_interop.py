@@ -16,13 +16,13 @@ from transformers import AutoConfig
 
 from eagle_lab.drafters.card import HeadCard, read_card, write_card
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.drafters.eagle.eagle3 import Eagle3Head
-from eagle_lab.errors import EagleLabError
-from eagle_lab.export import main as export_main
 from eagle_lab.drafters.eagle.head import EagleHead, HeadArchitecture, save_head
 from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.eagle.layouts import export_head, import_published, is_published_layout, load_head
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.errors import EagleLabError
+from eagle_lab.export import main as export_main
 
 REPO = Path(__file__).resolve().parent.parent
 

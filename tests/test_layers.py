@@ -45,7 +45,8 @@ def imports() -> dict[str, set[str]]:
 
 def layer_of(module: str) -> int:
     for index, (_, prefixes) in enumerate(LAYERS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes if p != "eagle_lab") or module == "eagle_lab":
+        if module == "eagle_lab" or any(module == p or module.startswith(p + ".")
+                                        for p in prefixes if p != "eagle_lab"):
             return index
     raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
 

@@ -8,11 +8,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from eagle_lab.models import llama_cpp
-from eagle_lab.errors import EagleLabError
-from eagle_lab.export import export, main
 from eagle_lab.drafters.eagle.head import save_head
 from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.export import export, main
+from eagle_lab.models import llama_cpp
 from eagle_lab.models.embedded import smollm2_dir
 from eagle_lab.models.target import Target
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model
@@ -65,7 +64,7 @@ def test_the_head_gguf_is_what_llama_cpps_eagle3_loader_reads(tiny_dirs, tmp_pat
     layers = [int(fields["eagle3.target_layers"].parts[i][0]) for i in fields["eagle3.target_layers"].data]
     assert layers == list(new_head(target, kind="eagle3").arch.feature_layers)
     tensors = {t.name: t for t in head.tensors}
-    hidden, vocab = target.config.hidden_size, target.vocab_size
+    hidden = target.config.hidden_size
     expected = {"fc.weight": (3 * hidden, hidden), "output_norm.weight": (hidden,),
                 "output.weight": (hidden, draft_ids.numel()), "d2t": (draft_ids.numel(),),
                 "blk.0.attn_norm.weight": (hidden,), "blk.0.attn_norm_2.weight": (hidden,),

@@ -19,14 +19,14 @@ METHODS = ["vanilla", "llamacpp", "llamacpp_eagle3", "llamacpp_ngram"]
 
 # lines as llama.cpp 0.3.36's tools print them
 COMPLETION_LOG = """common_perf_print: prompt eval time =     209.37 ms /    37 tokens (    5.66 ms per token,   176.72 tokens per second)
-common_perf_print:        eval time =    1594.13 ms /    23 runs   (   69.31 ms per token,    14.43 tokens per second)"""
+common_perf_print:        eval time =    1594.13 ms /    23 runs   (   69.31 ms per token,    14.43 tokens per second)"""  # noqa: E501 (llama.cpp's lines, verbatim)
 SPECULATIVE_LOG = """0.06.146.669 I encoded   37 tokens in    0.266 seconds, speed:  138.868 t/s
 0.06.146.687 I decoded   66 tokens in    5.065 seconds, speed:   13.031 t/s
 0.06.146.711 I n_draft   = 3
 0.06.146.722 I n_predict = 66
 0.06.146.734 I n_drafted = 145
 0.06.146.745 I n_accept  = 17
-common_perf_print: prompt eval time =    3943.67 ms /   232 tokens (   17.00 ms per token,    58.83 tokens per second)"""
+common_perf_print: prompt eval time =    3943.67 ms /   232 tokens (   17.00 ms per token,    58.83 tokens per second)"""  # noqa: E501 (verbatim)
 
 
 def test_llama_cpp_logs_are_read():

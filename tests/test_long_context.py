@@ -10,11 +10,11 @@ context limit.
 import pytest
 import torch
 
-from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.growth import TreeShape
 
 
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])

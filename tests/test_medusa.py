@@ -10,12 +10,12 @@ from safetensors.torch import load_file, save_file
 
 from eagle_lab.builders import build_medusa_drafter
 from eagle_lab.config import MedusaConfig, TreeConfig
-from eagle_lab.drafters.growth import TreeShape
-from eagle_lab.errors import EagleLabError
-from eagle_lab.drafters.medusa.layout import export_medusa_layout, is_medusa_layout, load_any_medusa
-from eagle_lab.drafters.medusa.heads import MedusaArch, MedusaHeads, load_medusa, save_medusa
-from eagle_lab.drafters.medusa.drafter import MedusaDrafter
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.drafters.medusa.drafter import MedusaDrafter
+from eagle_lab.drafters.medusa.heads import MedusaArch, MedusaHeads, load_medusa, save_medusa
+from eagle_lab.drafters.medusa.layout import export_medusa_layout, is_medusa_layout, load_any_medusa
+from eagle_lab.errors import EagleLabError
 from eagle_lab.training.losses import Batch, _medusa_predictions
 from tests.conftest import FAMILIES, small_vocab_target
 from tests.test_greedy_lossless import prompts, run_both

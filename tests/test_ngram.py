@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from eagle_lab.errors import EagleLabError
-from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer, copy_forward, merge_chain
 from eagle_lab.decoding.tree import build_tree, retrieve_indices, root_only_tree
+from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer, copy_forward, merge_chain
+from eagle_lab.errors import EagleLabError
 
 
 def propose(seq, min_match, max_match, max_tokens):

@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import Stopper, generate, vanilla_decode
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.errors import EagleLabError
 from eagle_lab.training.regenerate import (
     RegenerateConfig,
     ReplyWriter,

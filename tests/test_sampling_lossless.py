@@ -10,12 +10,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode
-from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer, merge_chain
 from eagle_lab.decoding.sampling import SamplingParams, draw, greedy_token, target_probs
 from eagle_lab.decoding.tree import build_tree
 from eagle_lab.decoding.verify import verify_sampling
+from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer, merge_chain
+from eagle_lab.errors import EagleLabError
 from tests.conftest import NoisyDrafter, small_vocab_target
 
 ALPHA = 1e-3
@@ -219,8 +219,8 @@ def test_speculative_sampling_matches_target(params):
 def test_eagle_drafter_sampling_matches_target():
     """The real EAGLE drafter (random head: on 5 tokens it is right often enough)."""
     from eagle_lab.drafters.eagle.drafter import EagleDrafter
-    from eagle_lab.drafters.growth import TreeShape
     from eagle_lab.drafters.eagle.kinds import new_head
+    from eagle_lab.drafters.growth import TreeShape
 
     target = small_vocab_target()
     params = SamplingParams(temperature=0.9)
@@ -230,7 +230,8 @@ def test_eagle_drafter_sampling_matches_target():
     g = torch.Generator().manual_seed(12)
     counts, accepted_any = {}, 0
     for _ in range(samples):
-        result = generate(speculative_decode(target, drafter, prompt, params, Stopper(target.tokenizer, length, set()), g))
+        stopper = Stopper(target.tokenizer, length, set())
+        result = generate(speculative_decode(target, drafter, prompt, params, stopper, g))
         counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
         accepted_any += result.stats.accepted_draft_tokens > 0
     assert 0.1 * samples < accepted_any < samples
@@ -328,8 +329,8 @@ def ngram_loop_counts(kind: str, samples: int):
     """Whole loop on a prompt that repeats itself: the head's tree with n-gram branches
     (eagle+ngram), or n-gram drafting alone. Returns (sequence counts, n-gram tokens accepted)."""
     from eagle_lab.drafters.eagle.drafter import EagleDrafter
-    from eagle_lab.drafters.growth import TreeShape
     from eagle_lab.drafters.eagle.kinds import new_head
+    from eagle_lab.drafters.growth import TreeShape
 
     target = small_vocab_target()
     proposer = NgramProposer(min_match=1, max_match=3, max_tokens=3)

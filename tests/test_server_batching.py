@@ -13,25 +13,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import TreeShape
-from eagle_lab.drafters.draft_model.drafter import DraftModelDrafter
-from eagle_lab.drafters.medusa.drafter import MedusaDrafter
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.drafters.draft_model.drafter import DraftModelDrafter
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.drafters.medusa.drafter import MedusaDrafter
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.models.prompts import as_tensor, encode_prompt
-from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.sequence import Sequence, score_rows
 from tests.conftest import OracleDrafter, small_vocab_target
-from tests.test_draft_model import small_lm
-from tests.test_medusa import random_heads
 from tests.scheduler_helpers import Client, expected_alone, plan, run_all, static_rows
 from tests.serving_helpers import TINY, serve_config
+from tests.test_draft_model import small_lm
+from tests.test_medusa import random_heads
 from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs
 
 PROMPTS = ["Hi", "Tell me a story about a dragon and a knight.", "1 2 3 1 2 3 1 2", "def add(a, b):\n    return"]
@@ -45,7 +45,8 @@ def make_drafters(target, kinds):
     small = EagleDrafter(new_head(target, seed=1), target, TreeShape(depth=2, topk=2, total_tokens=3))
     made = {"eagle": lambda: prototype.fork(), "eagle-small": lambda: small.fork(),
             "oracle": lambda: OracleDrafter(target, depth=4), "ngram": lambda: NgramDrafter(NgramProposer(1, 3, 4)),
-            "draft_model": drafter_factory(DraftModelDrafter(small_lm(target), TreeShape(depth=3, topk=2, total_tokens=5),
+            "draft_model": drafter_factory(DraftModelDrafter(small_lm(target),
+                                                             TreeShape(depth=3, topk=2, total_tokens=5),
                                                              target.vocab_size)),
             "medusa": drafter_factory(MedusaDrafter(random_heads(target), target, TreeShape(depth=3, topk=2,
                                                                                           total_tokens=5))),

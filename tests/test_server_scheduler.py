@@ -9,17 +9,16 @@ import time
 import pytest
 import torch
 
-from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import TreeShape
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import Stopper, speculative_decode
-from eagle_lab.drafters.eagle.kinds import new_head
-from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
-from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
+from eagle_lab.errors import EagleLabError
+from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.scheduler import Failed, Job, QueueFull, Scheduler
-
 
 # ---------------------------------------------------------------- scheduler, fake streams
 
@@ -210,7 +209,8 @@ def test_one_shared_drafter_would_corrupt_interleaved_sequences(tiny_llama, prot
     cache is fed by several interleaved sequences drafts differently than it does alone (or breaks)."""
     params = SamplingParams(temperature=1.0)
     solo_drafters = [RecordingDrafter(prototype.fork()) for _ in PROMPTS]
-    solo = [run_alone(gen) for gen in decoders(tiny_llama, solo_drafters, params)]
+    for gen in decoders(tiny_llama, solo_drafters, params):
+        run_alone(gen)
     shared = RecordingDrafter(prototype.fork())
     run_interleaved(decoders(tiny_llama, [shared] * len(PROMPTS), params))
     solo_trees = [tree for d in solo_drafters for tree in d.trees]

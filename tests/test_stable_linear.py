@@ -16,8 +16,18 @@ from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.native import library_path
-from eagle_lab.models.stable_linear import (FORMATS, GROUP, WEIGHTS, FusedProjections, ProjectionPart, StableLinear,
-                                            convert_linears, fit_q4_1, fit_q8_0, kernels_available)
+from eagle_lab.models.stable_linear import (
+    FORMATS,
+    GROUP,
+    WEIGHTS,
+    FusedProjections,
+    ProjectionPart,
+    StableLinear,
+    convert_linears,
+    fit_q4_1,
+    fit_q8_0,
+    kernels_available,
+)
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model
 from tests.conftest import FAMILIES, NoisyDrafter, OracleDrafter, small_vocab_target

@@ -11,14 +11,14 @@ import torch
 
 from eagle_lab.decoding import compiled
 from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
-from eagle_lab.drafters.eagle.head_runner import GRAPH_TOP_K, ROW_BUCKETS
-from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import TreeShape
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.tree import build_tree
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.eagle.head_runner import GRAPH_TOP_K, ROW_BUCKETS
+from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.errors import EagleLabError
 from tests.conftest import OracleDrafter, small_vocab_target
 from tests.test_sampling_lossless import assert_noisy_drafts_keep_distribution
 
@@ -163,17 +163,17 @@ def test_compiled_head_step_drafts_what_the_eager_head_drafts(tiny_llama):
     prompt = prompt_for(tiny_llama)
     assert prompt.numel() > 2 * ROW_BUCKETS[-1]  # the first commit takes three chunks
     logs = {}
-    for compiled in (False, True):
-        drafter = EagleDrafter(head, tiny_llama, TreeShape(3, 3, 8), compiled=compiled)
+    for use_graphs in (False, True):
+        drafter = EagleDrafter(head, tiny_llama, TreeShape(3, 3, 8), compiled=use_graphs)
         drafter.runner.min_width = 64
-        logs[compiled] = TreeLog()
+        logs[use_graphs] = TreeLog()
         generate(speculative_decode(tiny_llama, drafter, prompt, GREEDY,
-                                    Stopper(tiny_llama.tokenizer, 24, set()), observer=logs[compiled]))
-        assert drafter.runner.compiled == compiled
-        assert drafter.cache.length > 64 or not compiled  # the sequence grew into the second width
+                                    Stopper(tiny_llama.tokenizer, 24, set()), observer=logs[use_graphs]))
+        assert drafter.runner.compiled == use_graphs
+        assert drafter.cache.length > 64 or not use_graphs  # the sequence grew into the second width
     assert len(logs[True].trees) == len(logs[False].trees) > 3
-    for eager, compiled in zip(logs[False].trees, logs[True].trees):
-        assert torch.equal(eager.tokens, compiled.tokens) and torch.equal(eager.parents, compiled.parents)
+    for eager, graphed in zip(logs[False].trees, logs[True].trees):
+        assert torch.equal(eager.tokens, graphed.tokens) and torch.equal(eager.parents, graphed.parents)
 
 
 def test_one_compiled_head_graph_serves_every_top_k_up_to_its_own(tiny_llama, monkeypatch, tmp_path):
@@ -208,8 +208,8 @@ def test_compiled_head_commits_a_long_prompt_in_chunks_as_the_eager_head_does(ti
     positions = torch.arange(rows)
     visible = torch.ones(rows, rows, dtype=torch.bool).tril()
     outs = []
-    for compiled in (False, True):
-        drafter = EagleDrafter(head, tiny_llama, TreeShape(2, 3, 4), compiled=compiled)
+    for use_graphs in (False, True):
+        drafter = EagleDrafter(head, tiny_llama, TreeShape(2, 3, 4), compiled=use_graphs)
         cache = drafter.new_cache()
         outs.append(drafter.runner(cache, tokens, features, positions, visible, 3, from_draft=False))
         assert cache.length == rows

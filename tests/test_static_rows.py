@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from eagle_lab.decoding.backend import EagerBackend, StaticBackend
-from eagle_lab.decoding.static_rows import StaticRows, row_buckets
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.static_rows import StaticRows, row_buckets
+from eagle_lab.decoding.tree import build_tree
+from eagle_lab.errors import EagleLabError
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.engine import Engine
-from eagle_lab.decoding.tree import build_tree
 from tests.scheduler_helpers import expected_alone, plan, run_plans, static_rows
 from tests.serving_helpers import serve_config
 from tests.test_server_batching import LENGTHS, PROMPTS, encoded, make_drafters, together

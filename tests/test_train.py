@@ -14,12 +14,12 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from eagle_lab.config import ServeConfig, TrainConfig, register_configs, to_object
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.eagle.layouts import load_head
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError
-from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
-from eagle_lab.drafters.eagle.layouts import load_head
-from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.target import TargetConfig, load_target
 from eagle_lab.models.tiny import TinyModelConfig
 from tests.conftest import FAMILIES

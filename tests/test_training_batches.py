@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from eagle_lab.config import LossConfig, TrainConfig
-from eagle_lab.errors import EagleLabError
 from eagle_lab.drafters.eagle.head import draft_lm_head_weight
 from eagle_lab.drafters.eagle.kinds import new_head
+from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import TargetConfig, load_target
+from eagle_lab.training.batches import collate, epoch_order
 from eagle_lab.training.features import Example, greedy_tokens
 from eagle_lab.training.losses import training_loss
-from eagle_lab.training.batches import collate, epoch_order
 from eagle_lab.training.trainer import Recipe
 
 

@@ -12,8 +12,9 @@ from eagle_lab.tree_search.costs import CostModel
 
 def summary() -> dict:
     costs = CostModel({1: 10.0, 2: 10.0, 4: 10.0}, {1: 1.0, 3: 1.0}, 1.0, 0.5, 0.0, plain_ms=10.0)
-    row = lambda d, k, n, tau, sampled, **extra: {"shape": {"depth": d, "topk": k, "total_tokens": n}, "tau": tau,
-                                                   "sampled_tau": {"1": sampled}, **extra}
+    def row(d, k, n, tau, sampled, **extra):
+        return {"shape": {"depth": d, "topk": k, "total_tokens": n}, "tau": tau, "sampled_tau": {"1": sampled}, **extra}
+
     return {"cost_model": asdict(costs), "rounds": 12,
             "shapes": [row(0, 0, 0, 1.0, 1.0), row(1, 1, 1, 1.5, 1.3), row(3, 1, 3, 2.2, 1.45),
                        row(1, 3, 3, 1.7, 1.5), row(1, 1, 1, 1.9, 1.35, ngram_tokens=2, extra={"0": 12})]}

@@ -8,8 +8,8 @@ import torch
 
 from eagle_lab.benchmark.methods import PROMPT_LOOKUP_TOKENS
 from eagle_lab.benchmark.runs import BenchContext, Run, timed
-from eagle_lab.models.prompts import as_tensor
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.prompts import as_tensor
 
 
 def run_hf(ctx: BenchContext, method: str, prompt_ids: list[int], params: SamplingParams) -> Run:

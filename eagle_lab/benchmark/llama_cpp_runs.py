@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from eagle_lab.models.llama_cpp import ENV, source_dir, tool
 from eagle_lab.benchmark.runs import BenchContext, Run
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.errors import EagleLabError
+from eagle_lab.models.llama_cpp import ENV, source_dir, tool
 
 log = logging.getLogger(__name__)
 LLAMA_CPP_METHODS = ("llamacpp", "llamacpp_eagle3", "llamacpp_ngram")

@@ -14,10 +14,10 @@ import transformers
 from eagle_lab.benchmark.methods import PROMPT_LOOKUP_TOKENS, head_config, method_head, split_method, tree_label
 from eagle_lab.benchmark.prompt_sets import Prompt
 from eagle_lab.builders import packaged_head_dir
-from eagle_lab.drafters.card import record_mtbench_tau
 from eagle_lab.config import ServeConfig
 from eagle_lab.decoding.backend import Backend
 from eagle_lab.decoding.tree import Drafter
+from eagle_lab.drafters.card import record_mtbench_tau
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.models.target import Target
 from eagle_lab.tree_search.presets import tree_preset

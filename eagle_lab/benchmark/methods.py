@@ -6,14 +6,19 @@ import logging
 from dataclasses import replace
 
 from eagle_lab.benchmark.llama_cpp_runs import LLAMA_CPP_METHODS
-from eagle_lab.builders import (build_draft_model_drafter, build_drafter, build_head, build_medusa_drafter,
-                                ngram_proposer)
+from eagle_lab.builders import (
+    build_draft_model_drafter,
+    build_drafter,
+    build_head,
+    build_medusa_drafter,
+    ngram_proposer,
+)
 from eagle_lab.config import HeadConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
-from eagle_lab.decoding.tree import Drafter
-from eagle_lab.errors import EagleLabError
-from eagle_lab.drafters.ngram import NgramDrafter
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.tree import Drafter
+from eagle_lab.drafters.ngram import NgramDrafter
+from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import Target
 from eagle_lab.tree_search.presets import tree_preset
 

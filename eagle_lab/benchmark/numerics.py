@@ -1,6 +1,6 @@
 """How far a target's logits move with the number of rows a forward carries:
-python -m eagle_lab.benchmark.numerics [dtype=float32|bfloat16] [weights=auto|fp32|bf16|int8|int4] [tokens=32] [prompts=4]
-    [extra=3,15]
+python -m eagle_lab.benchmark.numerics [dtype=float32|bfloat16] [weights=auto|fp32|bf16|int8|int4]
+    [tokens=32] [prompts=4] [extra=3,15]
 
 A speculative round scores a position inside a tree of N tokens; plain decoding scores it alone.
 Mathematically the logits are the same, but the kernels differ with the row count (blocking,
@@ -75,11 +75,11 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"numerics: {err}") from None
     prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in CALIBRATION_PROMPTS[:count]]
     noise = measure_shape_noise(target, prompts, tokens, extra)
-    print(f"| dtype | weights | positions | max abs dlogit (alone vs +{'/+'.join(map(str, extra))} rows) | greedy flips "
-          "| positions with top-2 within 2x that |")
+    print(f"| dtype | weights | positions | max abs dlogit (alone vs +{'/+'.join(map(str, extra))} rows) "
+          "| greedy flips | positions with top-2 within 2x that |")
     print("|---|---|---:|---:|---:|---:|")
-    print(f"| {target.dtype} | {target.weights} | {noise.positions} | {noise.max_abs_dlogit:.2e} | {noise.argmax_flips} "
-          f"| {noise.near_ties} |")
+    print(f"| {target.dtype} | {target.weights} | {noise.positions} | {noise.max_abs_dlogit:.2e} "
+          f"| {noise.argmax_flips} | {noise.near_ties} |")
 
 
 if __name__ == "__main__":

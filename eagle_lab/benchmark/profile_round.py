@@ -22,11 +22,11 @@ import torch
 from eagle_lab.builders import build_head, eagle_drafter
 from eagle_lab.config import HeadConfig
 from eagle_lab.decoding.backend import DecodingConfig, build_backend, compile_choice
+from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError, key_values
-from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.models.prompts import encode_prompt
-from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.target import TargetConfig, load_target
 from eagle_lab.tree_search.auto import CALIBRATION_PROMPTS
 
@@ -77,8 +77,9 @@ def main(argv: list[str]) -> None:
     result = speculative(times)
     total, rounds = time.perf_counter() - start, max(result.stats.rounds, 1)
     round_ms = 1000 * total / rounds
+    same = "equal to" if result.token_ids == base.token_ids else "DIFFERENT from"
     print(f"backend {backend.name}, {torch.get_num_threads()} threads, tree {shape}: {rounds} rounds, "
-          f"tau {result.stats.accept_length:.2f}, greedy output {'equal to' if result.token_ids == base.token_ids else 'DIFFERENT from'} plain")
+          f"tau {result.stats.accept_length:.2f}, greedy output {same} plain")
     print("| phase | ms per round |\n|---|---:|")
     for key, label in PHASES.items():
         print(f"| {label} | {1000 * times.seconds[key] / rounds:.1f} |")

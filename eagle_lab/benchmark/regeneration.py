@@ -24,8 +24,8 @@ from dataclasses import replace
 import torch
 
 from eagle_lab.decoding.batch_generate import Reply, generate_on_rows, grouped_query_sdpa
-from eagle_lab.models.device import training_dtype
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.device import training_dtype
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.training.data import DataConfig, load_conversations, tokenize_conversation
 from eagle_lab.training.features import compute_features, greedy_tokens
@@ -99,7 +99,8 @@ def drift_table(target: Target, reference: Target, writer: ReplyWriter,
 def main(argv: list[str]) -> None:
     args = dict(a.split("=", 1) for a in argv)
     sizes = [int(r) for r in args.get("rows", "1,8,32").split(",")]
-    per_row, tokens, drift = int(args.get("prompts_per_row", 2)), int(args.get("tokens", 128)), int(args.get("drift", 8))
+    per_row, tokens = int(args.get("prompts_per_row", 2)), int(args.get("tokens", 128))
+    drift = int(args.get("drift", 8))
     base = TargetConfig(device="cpu")
     target = load_target(replace(base, dtype=training_dtype("auto", base)))
     writer = ReplyWriter(target, RegenerateConfig(enabled=True, max_new_tokens=tokens), CONTEXT)

@@ -31,8 +31,8 @@ def write_markdown(results: dict[str, Any]) -> str:
         "",
         f"{cfg['num_prompts']} prompts, max_new_tokens {cfg['max_new_tokens']}, ignore_eos {cfg['ignore_eos']}, "
         f"device {cfg['device']} ({cfg['dtype']}), head {cfg['head'] or '-'}, tree depth {tree['depth']} / "
-        f"topk {tree['topk']} / {tree['total_tokens']} tokens{' (tree=auto)' if cfg['tree_auto'] else ''}; torch {cfg['torch']}, "
-        f"transformers {cfg['transformers']}",
+        f"topk {tree['topk']} / {tree['total_tokens']} tokens{' (tree=auto)' if cfg['tree_auto'] else ''}; "
+        f"torch {cfg['torch']}, transformers {cfg['transformers']}",
         *_ngram_lines(cfg),
         *_llama_cpp_lines(cfg),
         "",

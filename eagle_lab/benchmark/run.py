@@ -33,8 +33,15 @@ from eagle_lab.benchmark.aggregate import prompt_records, summarise
 from eagle_lab.benchmark.hf_baseline import run_hf
 from eagle_lab.benchmark.llama_cpp_runs import LLAMA_CPP_METHODS, find_setup, run_llama_cpp
 from eagle_lab.benchmark.metadata import config_summary, preview, update_card
-from eagle_lab.benchmark.methods import (GREEDY_ONLY, HF_METHODS, METHODS, build_drafters, split_method, temperature_key,
-                                         validate_bench)
+from eagle_lab.benchmark.methods import (
+    GREEDY_ONLY,
+    HF_METHODS,
+    METHODS,
+    build_drafters,
+    split_method,
+    temperature_key,
+    validate_bench,
+)
 from eagle_lab.benchmark.prompt_sets import load_bench_prompts
 from eagle_lab.benchmark.report import write_outputs
 from eagle_lab.benchmark.runs import BenchContext, Run, make_context, timed
@@ -42,11 +49,11 @@ from eagle_lab.benchmark.sweep import run_sweep
 from eagle_lab.builders import SPECULATIVE, build_decoder, make_generator
 from eagle_lab.config import ServeConfig
 from eagle_lab.decoding.backend import EagerBackend, build_backend
-from eagle_lab.decoding.heap import freeze_loaded_objects
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.generate import Stopper, generate
-from eagle_lab.models.prompts import as_tensor, encode_prompt
+from eagle_lab.decoding.heap import freeze_loaded_objects
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.errors import EagleLabError
+from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.models.target import load_target
 
 log = logging.getLogger(__name__)
@@ -108,7 +115,8 @@ def run_bench(cfg: ServeConfig, out_dir: str | Path | None = None) -> dict[str, 
         summary[key] = summarise(cfg.bench.methods, runs, params.greedy, skipped)
         records.extend(prompt_records(runs, temperature, target.tokenizer, params.greedy))
         for method, row in summary[key].items():
-            log.info("T=%s %s: tau %s, %s tok/s", key, method, _figure(row.get("tau")), _figure(row.get("tokens_per_s")))
+            log.info("T=%s %s: tau %s, %s tok/s", key, method, _figure(row.get("tau")),
+                     _figure(row.get("tokens_per_s")))
         write_outputs(results, run_dir)  # after every temperature: a run stopped later keeps what it measured
         if cfg.bench.update_card:
             update_card(cfg, target, {key: summary[key]}, len(prompts))

@@ -29,17 +29,17 @@ from eagle_lab.benchmark.report import write_sweep
 from eagle_lab.builders import make_drafter
 from eagle_lab.config import ServeConfig
 from eagle_lab.decoding.backend import build_backend
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.prompts import encode_prompt
-from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.target import Target, load_target
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine, Finished, Plan
 from eagle_lab.serving.scheduler import Job
 from eagle_lab.serving.server import batch_trees, serving_rows
-from eagle_lab.models.target import Target, load_target
 
 log = logging.getLogger(__name__)
 BATCHABLE = ("eagle", "vanilla", "ngram", "draft_model", "medusa")
@@ -114,7 +114,8 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
 
 
 def _engine(cfg: ServeConfig, method: str, target: Target, max_batch: int, backend, rows: StaticRows):
-    """The server's engine for `method`, and its trees: {"prototype": the drafter, "trees": the policy at batch >= 2}."""
+    """The server's engine for `method`, and its trees:
+    {"prototype": the drafter, "trees": the policy at batch >= 2}."""
     method_cfg = replace(cfg, method=method, server=replace(cfg.server, max_batch=max_batch))
     prototype = make_drafter(method_cfg, target, backend, temperatures=cfg.bench.temperatures)
     per_batch = {"prototype": prototype, "trees": batch_trees(method_cfg, target, prototype, rows)}
@@ -173,7 +174,7 @@ def run_level(engine, target: Target, per_batch: dict, encoded: list[list[int]],
                     done.set()
 
             start = time.perf_counter()
-            scheduler.submit(Job(start=lambda p=plans[index]: engine.start(p, f"sweep-{index}"), deliver=deliver,
+            scheduler.submit(Job(start=lambda p=plans[index], i=index: engine.start(p, f"sweep-{i}"), deliver=deliver,
                                  name=f"sweep-{index}"))
             with lock:
                 queued[0] += 1

@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from eagle_lab.errors import key_values
 from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.errors import key_values
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.tree_search.auto import choose, cost_model
 
@@ -78,7 +78,8 @@ def main(argv: list[str]) -> None:
         summary = json.loads(path.read_text())
         lines = curve(summary, args.get("ngram", "false").lower() in ("1", "true", "yes"))
     except (json.JSONDecodeError, KeyError, ValueError) as err:
-        raise SystemExit(f"tree_curve: {path} is not a tree=auto calibration with sampled accept lengths ({err})")
+        raise SystemExit(f"tree_curve: {path} is not a tree=auto calibration with sampled accept lengths "
+                         f"({err})") from err
     print(f"{path} ({summary['rounds']} recorded rounds; modelled tok/s, before timing in the loop)")
     print("\n".join(lines))
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.tree import DraftTree, build_tree, root_only_tree
+from eagle_lab.errors import EagleLabError
 
 
 @dataclass(frozen=True)

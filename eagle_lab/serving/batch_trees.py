@@ -5,12 +5,13 @@ At batch 1 a row drafts its drafter's own tree: tree=auto's choice for the reque
 row, then grows with B x K, so that tree may stop paying as the batch grows. At batch 2, 4, 8 (and
 max_batch), and at each temperature tree=auto chose a tree for, the own tree and plain decoding
 each decode B calibration prompts together in the scheduler's own round on the static rows
-(eagle_lab.serving.timed_batch), sampled rows with seeded generators, twice, the second run timed; the faster wins, the tree only
-when it beats plain decoding by `min_gain`. A batch size between two timed ones takes the choice of
-the next one up; a request's temperature takes the nearest one timed. Compiled, the first timing at
-each B compiles its graphs (minutes the first time; kept on disk). The choices are cached beside
-tree=auto's calibration, keyed by what the timings depend on (tree=auto's fingerprint, the trees,
-the batch sizes, the static rows, the batched round's code), so a restart reuses them.
+(eagle_lab.serving.timed_batch), sampled rows with seeded generators, twice, the second run timed;
+the faster wins, the tree only when it beats plain decoding by `min_gain`. A batch size between two
+timed ones takes the choice of the next one up; a request's temperature takes the nearest one timed.
+Compiled, the first timing at each B compiles its graphs (minutes the first time; kept on disk). The
+choices are cached beside tree=auto's calibration, keyed by what the timings depend on (tree=auto's
+fingerprint, the trees, the batch sizes, the static rows, the batched round's code), so a restart
+reuses them.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ class BatchScheduler(Scheduler):
     """Jobs' `start` must return an eagle_lab.serving.engine.Decoding whose sequence lives in `rows`."""
 
     def __init__(self, max_batch: int, max_queue: int, target: Target, rows: StaticRows,
-                 trees: BatchTrees | None = None, batched_drafting: bool = True, model_thread: ModelThread | None = None):
+                 trees: BatchTrees | None = None, batched_drafting: bool = True,
+                 model_thread: ModelThread | None = None):
         """trees: the tree policy at batch >= 2 (None: every sequence drafts its own tree at every batch size).
         model_thread: the thread that loaded the target, where the loop runs (scheduler.ModelThread)."""
         super().__init__(max_batch, max_queue, model_thread)

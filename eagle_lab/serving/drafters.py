@@ -16,8 +16,8 @@ import copy
 from collections.abc import Callable
 
 from eagle_lab.decoding.tree import Drafter
-from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.draft_model.drafter import DraftModelDrafter
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.medusa.drafter import MedusaDrafter
 from eagle_lab.drafters.ngram import NgramDrafter
 

@@ -20,20 +20,26 @@ from jinja2.exceptions import TemplateError
 
 from eagle_lab.builders import make_generator
 from eagle_lab.config import ServeConfig
-from eagle_lab.decoding.static_rows import StaticRows
+from eagle_lab.decoding.generate import GenerationStats, Stopper
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.static_rows import RowScore, StaticRows
 from eagle_lab.decoding.tree import Drafter
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.errors import EagleLabError
-from eagle_lab.decoding.generate import GenerationStats, Stopper
 from eagle_lab.models.prompts import as_tensor, encode_prompt
-from eagle_lab.decoding.sampling import SamplingParams
-from eagle_lab.serving.text_stream import TextStream
-from eagle_lab.serving.http_errors import APIError
-from eagle_lab.serving.protocol import MAX_STOP_STRINGS, NEUTRAL, ROLES, SEED_RANGE, ChatRequest, \
-    CompletionRequest, SamplingFields
-from eagle_lab.decoding.static_rows import RowScore
-from eagle_lab.serving.sequence import Sequence
 from eagle_lab.models.target import Target
+from eagle_lab.serving.http_errors import APIError
+from eagle_lab.serving.protocol import (
+    MAX_STOP_STRINGS,
+    NEUTRAL,
+    ROLES,
+    SEED_RANGE,
+    ChatRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+from eagle_lab.serving.sequence import Sequence
+from eagle_lab.serving.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +149,8 @@ class Engine:
         if not ids:
             raise APIError(400, "the prompt is empty", prompt_param)
         if len(ids) >= context:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context of {context} tokens leaves no "
-                                "room to generate", prompt_param, "context_length_exceeded")
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context of {context} tokens "
+                                "leaves no room to generate", prompt_param, "context_length_exceeded")
         if max_tokens is None:
             max_tokens = min(self.cfg.max_new_tokens, context - len(ids))
         elif max_tokens < 1:

@@ -27,10 +27,10 @@ from dataclasses import replace
 
 import torch
 
-from eagle_lab.decoding.generate import GenerationStats, Stopper, check_prompt, _ngram_counts
+from eagle_lab.decoding.generate import GenerationStats, Stopper, _ngram_counts, check_prompt
 from eagle_lab.decoding.sampling import DraftSampling, SamplingParams, next_token
 from eagle_lab.decoding.static_rows import RowScore, StaticRows
-from eagle_lab.decoding.tree import DraftTree, Drafter, root_only_tree
+from eagle_lab.decoding.tree import Drafter, DraftTree, root_only_tree
 from eagle_lab.decoding.verify import verify
 from eagle_lab.drafters.growth import BatchTree, TreeShape
 from eagle_lab.errors import EagleLabError

@@ -35,11 +35,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from eagle_lab.models.embedded import cache_root
 from eagle_lab.errors import EagleLabError
+from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.target import Target
-from eagle_lab.training.corpus_layout import (MANIFEST, Conversation, Split, claim, layer_tag, read_manifest, release,
-                                              write_manifest)
+from eagle_lab.training.corpus_layout import (
+    MANIFEST,
+    Conversation,
+    Split,
+    claim,
+    layer_tag,
+    read_manifest,
+    release,
+    write_manifest,
+)
 from eagle_lab.training.features import STORE_DTYPE, Example, compute_features, greedy_tokens
 
 log = logging.getLogger(__name__)
@@ -156,7 +164,8 @@ def _capture_shard(target: Target, split: Split, k: int, tokenize: Tokenize, lay
     for start in range(0, len(order), batch_size):
         chunk = order[start: start + batch_size]
         for i, value in zip(chunk, compute_features(target, [rows[i][1] for i in chunk], layer_ids)):
-            computed[i] = (value[0].to("cpu", STORE_DTYPE), None if value[1] is None else value[1].to("cpu", STORE_DTYPE))
+            layers = None if value[1] is None else value[1].to("cpu", STORE_DTYPE)
+            computed[i] = (value[0].to("cpu", STORE_DTYPE), layers)
     n_tokens = sum(len(r[1]) for r in rows)
     meta = {"tokens": str(n_tokens), "conversations": f"{split.conversation_range(k).start}:"
                                                        f"{split.conversation_range(k).stop}"}
@@ -164,7 +173,10 @@ def _capture_shard(target: Target, split: Split, k: int, tokenize: Tokenize, lay
         layers = torch.cat([computed[i][1] for i in range(len(rows))]) if rows else torch.zeros(0, 0, dtype=STORE_DTYPE)
         _atomic_save({"layer_features": layers}, split.layer_file(k, layer_ids), meta)
     if not top_file.exists():
-        features = torch.cat([computed[i][0] for i in range(len(rows))]) if rows else torch.zeros(0, 0, dtype=STORE_DTYPE)
+        if rows:
+            features = torch.cat([computed[i][0] for i in range(len(rows))])
+        else:
+            features = torch.zeros(0, 0, dtype=STORE_DTYPE)
         lengths = torch.tensor([0] + [len(r[1]) for r in rows], dtype=torch.long)
         tensors = {
             "input_ids": torch.tensor([t for r in rows for t in r[1]], dtype=torch.int32),
@@ -209,7 +221,7 @@ class CorpusStore:
             slot = len(self._handles)
             self._handles.append((top, layers))
             ids, mask = top.get_tensor("input_ids"), top.get_tensor("loss_mask")
-            greedy = top.get_tensor("target_token") if "target_token" in top.keys() else None
+            greedy = top.get_tensor("target_token") if "target_token" in top.keys() else None  # noqa: SIM118 (no __contains__)
             offsets, conversations = top.get_tensor("offsets").tolist(), top.get_tensor("conversation").tolist()
             for c, a, b in zip(conversations, offsets[:-1], offsets[1:]):
                 if c >= count:
@@ -315,7 +327,8 @@ def open_corpus(directory: Path, fingerprint: dict, conversations: list[Conversa
 def status(directory: Path, shard_conversations: int, layer_ids: tuple[int, ...] = ()) -> dict:
     """How much of a corpus is on disk: shards, conversations and tokens per split, and bytes."""
     manifest = read_manifest(directory) or {}
-    result: dict = {"directory": str(directory), "bytes": sum(p.stat().st_size for p in directory.rglob("*.safetensors"))}
+    stored = sum(p.stat().st_size for p in directory.rglob("*.safetensors"))
+    result: dict = {"directory": str(directory), "bytes": stored}
     for name in ("train", "eval"):
         counts = manifest.get(f"{name}_token_counts", [])
         split = Split(name, [{}] * len(counts), directory / name, shard_conversations)  # type: ignore[list-item]

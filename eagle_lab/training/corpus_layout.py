@@ -17,7 +17,6 @@ from pathlib import Path
 
 from eagle_lab.errors import EagleLabError
 
-
 log = logging.getLogger(__name__)
 Conversation = list[dict[str, str]]
 

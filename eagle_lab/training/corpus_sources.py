@@ -8,13 +8,13 @@ held-out tail. Whatever of that is not on disk yet is captured first (eagle_lab.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 from eagle_lab.drafters.eagle.eagle3 import eagle3_layer_ids
-from eagle_lab.models.embedded import cache_root
 from eagle_lab.errors import EagleLabError
+from eagle_lab.models.embedded import cache_root
 from eagle_lab.training.batches import ExampleSource
 from eagle_lab.training.corpus import CorpusStore, CorpusStores, capture_split, open_corpus
 from eagle_lab.training.corpus_layout import corpus_key

@@ -14,11 +14,14 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.packages import package_data_file
 from eagle_lab.training.regenerate import RegenerateConfig
+
+if TYPE_CHECKING:
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +281,7 @@ Rewrite = Callable[[list[list[dict[str, str]]], str], list[list[dict[str, str]] 
 
 def build_datasets(
     cfg: DataConfig, tokenizer: Any, rewrite: Rewrite | None = None
-) -> tuple["datasets.Dataset", "datasets.Dataset", DataStats]:
+) -> tuple[datasets.Dataset, datasets.Dataset, DataStats]:
     """Tokenized train and eval datasets (columns input_ids, loss_mask) and their stats.
 
     rewrite: (conversations, split name) -> the conversations rewritten (None: dropped), applied

@@ -69,7 +69,8 @@ def recipe_runs(cards: list[tuple[Path, HeadCard]]) -> list[RecipeRun]:
                              f"({card.train_tokens} against {base.train_tokens} tokens)")
         keys = changed_keys(base, card)
         if len(keys) != 1:
-            raise ValueError(f"{run}: changes {keys or 'nothing'} against the baseline; a recipe curve changes one knob")
+            raise ValueError(f"{run}: changes {keys or 'nothing'} against the baseline; "
+                             "a recipe curve changes one knob")
         out.append(RecipeRun(run, card, keys[0], train_top1_at_end(run)))
     return out
 

@@ -38,11 +38,11 @@ from tqdm import tqdm
 
 from eagle_lab.decoding.backend import StaticBackend
 from eagle_lab.decoding.batch_generate import generate_on_rows, grouped_query_sdpa
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.static_rows import StaticRows
+from eagle_lab.errors import EagleLabError
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.stable_linear import WEIGHTS
-from eagle_lab.errors import EagleLabError
-from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
@@ -298,8 +298,9 @@ def regenerate_conversations(
     leaves no room under max_length or its reply was empty).
 
     Chunks already under `directory` are reused; the missing ones are dealt out between the ranks
-    (every `world`-th from `rank`), then all ranks wait at `barrier` and read every chunk. A chunk file that holds other conversations
-    than its slot expects (written for a shorter, partial last block) is written again.
+    (every `world`-th from `rank`), then all ranks wait at `barrier` and read every chunk. A chunk file
+    that holds other conversations than its slot expects (written for a shorter, partial last block) is
+    written again.
     """
     directory.mkdir(parents=True, exist_ok=True)
     cfg = writer.cfg

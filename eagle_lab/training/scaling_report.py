@@ -5,9 +5,10 @@ Reads each run's `head/card.json` (written by train.py, MT-bench tau added by
 run, sorted by training tokens) and `scaling.png` (held-out chain tau and MT-bench tau against
 training tokens, log scale; one series per kind of training text: the source's replies, the
 target's own, or a mix) to --out (default: the current directory). Held-out figures are each run's
-own held-out set (the target's replies for self-distilled runs); MT-bench tau is comparable across series. Every point shows MT-bench
-tau on the same number of prompts where the cards have it (--prompts, 20 by default: the curve's
-measure), so a head also benched on all 80 does not mix two measures in one column.
+own held-out set (the target's replies for self-distilled runs); MT-bench tau is comparable across
+series. Every point shows MT-bench tau on the same number of prompts where the cards have it
+(--prompts, 20 by default: the curve's measure), so a head also benched on all 80 does not mix two
+measures in one column.
 """
 
 from __future__ import annotations
@@ -60,13 +61,13 @@ def mtbench(card: HeadCard, prompts: int = 20) -> str:
 
 def table(cards: list[tuple[Path, HeadCard]], prompts: int = 20) -> str:
     depth = max((len(c.heldout_top1) for _, c in cards), default=0)
-    head = (["run", "replies", "conversations", "tokens", "epochs", "steps"] + [f"top-1 @{d}" for d in range(1, depth + 1)]
-            + ["chain tau", "MT-bench tau (tree=cpu, T=0)"])
+    head = (["run", "replies", "conversations", "tokens", "epochs", "steps"]
+            + [f"top-1 @{d}" for d in range(1, depth + 1)] + ["chain tau", "MT-bench tau (tree=cpu, T=0)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run, card in cards:
         top1 = [f"{a:.3f}" for a in card.heldout_top1] + ["-"] * (depth - len(card.heldout_top1))
-        row = [run.name, series(card), str(card.train_conversations), f"{card.train_tokens / 1e6:.2f}M", f"{card.epochs:.2f}",
-               str(card.steps), *top1, f"{card.heldout_tau_chain:.3f}", mtbench(card, prompts)]
+        row = [run.name, series(card), str(card.train_conversations), f"{card.train_tokens / 1e6:.2f}M",
+               f"{card.epochs:.2f}", str(card.steps), *top1, f"{card.heldout_tau_chain:.3f}", mtbench(card, prompts)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -76,10 +77,8 @@ def plot(cards: list[tuple[Path, HeadCard]], path: Path, prompts: int = 20) -> N
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from matplotlib.ticker import FuncFormatter
-
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     plain = FuncFormatter(lambda value, _: f"{value:g}")  # 0.3, not 3x10^-1
@@ -103,7 +102,8 @@ def plot(cards: list[tuple[Path, HeadCard]], path: Path, prompts: int = 20) -> N
                 fontsize=8)
     right.legend(handles=[Line2D([], [], color="C0", label="held-out chain tau (own held-out set)"),
                           Line2D([], [], color="C1", label="MT-bench tau (tree=cpu, T=0)")] + kind_keys, fontsize=8)
-    left.set(xscale="log", xlabel="training tokens (M)", ylabel="held-out top-1", title="held-out top-1 by draft position")
+    left.set(xscale="log", xlabel="training tokens (M)", ylabel="held-out top-1",
+             title="held-out top-1 by draft position")
     right.set(xscale="log", xlabel="training tokens (M)", ylabel="tokens per target forward", title="tau")
     for ax in (left, right):
         ax.xaxis.set_major_formatter(plain)

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eagle_lab.errors import EagleLabError
 from eagle_lab.drafters.eagle.head import save_head
 from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.medusa.heads import MedusaArch, MedusaHeads, save_medusa
+from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import Target
 from eagle_lab.training.draft_lm import DraftLM, new_draft_lm, save_draft_lm
 

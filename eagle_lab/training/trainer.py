@@ -19,30 +19,35 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from eagle_lab.drafters.card import HeadCard, write_card
 from eagle_lab.config import TrainConfig, to_object
+from eagle_lab.drafters.card import HeadCard, write_card
 from eagle_lab.drafters.eagle.eagle3 import eagle3_layer_ids
-from eagle_lab.models.device import cpu_has_bf16, training_dtype
-from eagle_lab.errors import EagleLabError
 from eagle_lab.drafters.eagle.head import draft_lm_head_weight
+from eagle_lab.errors import EagleLabError
+from eagle_lab.models.device import cpu_has_bf16, training_dtype
 from eagle_lab.models.target import load_target
 from eagle_lab.training import checkpoint as ckpt
-from eagle_lab.training.config_checks import check_train_config
 from eagle_lab.training.batches import ExampleSource, collate, epoch_order
+from eagle_lab.training.config_checks import check_train_config
 from eagle_lab.training.corpus import CorpusStore, capture_split
-from eagle_lab.training.corpus_sources import features_root, open_corpus_sources
 from eagle_lab.training.corpus_layout import Split
+from eagle_lab.training.corpus_sources import features_root, open_corpus_sources
 from eagle_lab.training.data import build_datasets
-from eagle_lab.training.draft_vocab import draft_vocabulary, supervised_counts
-from eagle_lab.training.host_memory import reuse_freed_memory
 from eagle_lab.training.deepspeed_setup import deepspeed_config, init_distributed, lr_lambda
+from eagle_lab.training.draft_vocab import draft_vocabulary, supervised_counts
 from eagle_lab.training.features import Example, features_key
 from eagle_lab.training.global_batch import global_batch_step
+from eagle_lab.training.host_memory import reuse_freed_memory
 from eagle_lab.training.losses import Batch, heldout_accuracy, prediction_steps
 from eagle_lab.training.regenerate import target_rewrite
 from eagle_lab.training.stop import GracefulStop
-from eagle_lab.training.trainable import (draft_vocab_size, export_trainable, new_trainable,
-                                         trainable_parameters, trained_dtype)
+from eagle_lab.training.trainable import (
+    draft_vocab_size,
+    export_trainable,
+    new_trainable,
+    trainable_parameters,
+    trained_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -338,7 +343,8 @@ class Recipe:
             return None
         out, serve = export_trainable(self.head, self.target, self.run_dir / "head")
         write_card(out, self.card())
-        log.info("exported head at step %d/%d -> %s (serve with: %s)", self.step, self.cfg.trainer.max_steps, out, serve)
+        log.info("exported head at step %d/%d -> %s (serve with: %s)", self.step, self.cfg.trainer.max_steps, out,
+                 serve)
         return out
 
     def card(self) -> HeadCard:

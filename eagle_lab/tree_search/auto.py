@@ -48,29 +48,37 @@ from pathlib import Path
 
 import torch
 
-from eagle_lab.decoding.compiled import KERNEL_SOURCES, STEP_SOURCES as TARGET_STEP_SOURCES
+from eagle_lab.decoding.compiled import KERNEL_SOURCES
+from eagle_lab.decoding.compiled import STEP_SOURCES as TARGET_STEP_SOURCES
 from eagle_lab.decoding.graph_store import code_digest
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.head_step import STEP_SOURCES as HEAD_STEP_SOURCES
 from eagle_lab.drafters.growth import TreeChoice, TreeShape
-from eagle_lab.models.native import NATIVE, kernel_march
-from eagle_lab.models.embedded import cache_root
 from eagle_lab.drafters.ngram import NgramProposer
+from eagle_lab.models.embedded import cache_root
+from eagle_lab.models.native import NATIVE, kernel_march
 from eagle_lab.models.prompts import encode_prompt
-from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.target import Target
-from eagle_lab.tree_search.costs import (K_GRID, CostModel, largest_tree, measure_draft_costs, measure_target_costs,
-                                         timed_ngram_rounds, timed_rounds)
-from eagle_lab.tree_search.space import TreeSearchConfig
+from eagle_lab.tree_search.costs import (
+    K_GRID,
+    CostModel,
+    largest_tree,
+    measure_draft_costs,
+    measure_target_costs,
+    timed_ngram_rounds,
+    timed_rounds,
+)
 from eagle_lab.tree_search.replay import ngram_lengths, record, replay_all
+from eagle_lab.tree_search.space import TreeSearchConfig
 from eagle_lab.tree_search.validate import VALIDATE_TOP, is_plain, measured_best, untimed, validate
 
 log = logging.getLogger(__name__)
 # what a timed round runs besides the models: the steps (their packages' sources, the code that calls them),
 # the loop, the drafter
 ROUND_CODE = (*TARGET_STEP_SOURCES, *HEAD_STEP_SOURCES, *KERNEL_SOURCES, "decoding/compiled.py",
-              "decoding/graph_store.py", "drafters/eagle/head_runner.py", "decoding/static_rows.py", "decoding/round.py",
-              "decoding/generate.py",
+              "decoding/graph_store.py", "drafters/eagle/head_runner.py", "decoding/static_rows.py",
+              "decoding/round.py", "decoding/generate.py",
               "decoding/verify.py", "decoding/backend.py", "decoding/scoring.py", "decoding/static_cache.py",
               "drafters/eagle/drafter.py",
               "drafters/growth.py", "drafters/ngram.py",
@@ -95,7 +103,8 @@ def fit_search(search: TreeSearchConfig, backend, max_context: int | None = None
         return search
     cap = max(buckets)
     depth, topk, total = search.record_shape
-    return replace(search, totals=[t for t in search.totals if t < cap], record_shape=(depth, topk, min(total, cap - 1)))
+    return replace(search, totals=[t for t in search.totals if t < cap],
+                   record_shape=(depth, topk, min(total, cap - 1)))
 
 
 def row_ms(row: dict, costs: CostModel) -> float:
@@ -349,8 +358,8 @@ def log_choice(best: dict, measured: list[dict], ranked: list[dict], costs: Cost
                  chosen.total_tokens, f" + n-gram chains of {chain} tokens" if chain else "",
                  best["tokens_per_s"], best["tau"], 1000 / costs.round_ms(TreeShape(0, 0, 0)), path)
     else:
-        log.info("tree=auto%s chose depth=%d topk=%d total_tokens=%d%s: %.1f tok/s timed in the loop%s (tau %.2f; model: "
-                 "%.1f tok/s; the model's first choice timed %.1f)%s (costs: %s)", at,
+        log.info("tree=auto%s chose depth=%d topk=%d total_tokens=%d%s: %.1f tok/s timed in the loop%s "
+                 "(tau %.2f; model: %.1f tok/s; the model's first choice timed %.1f)%s (costs: %s)", at,
                  chosen.depth, chosen.topk, chosen.total_tokens,
                  f" + n-gram chains of {chain} tokens" if chain else " (no n-gram branches)" if hybrid else "",
                  best["measured_tokens_per_s"], " (capped at tau x plain decoding's)" if best.get("capped") else "",

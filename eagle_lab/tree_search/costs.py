@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.decoding.backend import Backend, EagerBackend
 from eagle_lab.decoding.generate import Stopper, speculative_decode
-from eagle_lab.drafters.ngram import NgramProposer
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.drafters.growth import TreeShape
+from eagle_lab.drafters.ngram import NgramProposer
 from eagle_lab.models.masks import causal_mask
 from eagle_lab.models.target import Target
 

@@ -12,9 +12,10 @@ the machine, so no single length is best for a whole reply. The controller keeps
     follows the reply. Its prior, worth `PRIOR_WEIGHT` rounds, is what the drafter's earlier requests at the same
     temperature accepted (slowly aging counts, shared like the costs), else `DEFAULT_PRIOR`.
 It then picks argmax_L (1 + sum_{j <= L} prod_{i <= j} a_i) / cost_L. A length never timed is tried once
-first (its cost is unknown); every `explore_every` rounds the length timed longest ago is drafted until a round of it is timed (a
-round that first feeds the head what rounds without drafts left is not timed: that cost is theirs), so every
-cost and the deeper acceptance stay measured, and drafting comes back on when it pays again.
+first (its cost is unknown); every `explore_every` rounds the length timed longest ago is drafted until
+a round of it is timed (a round that first feeds the head what rounds without drafts left is not timed:
+that cost is theirs), so every cost and the deeper acceptance stay measured, and drafting comes back on
+when it pays again.
 """
 
 from __future__ import annotations

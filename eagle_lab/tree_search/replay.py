@@ -24,14 +24,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from eagle_lab.decoding.generate import Stopper, speculative_decode
+from eagle_lab.decoding.sampling import SamplingParams, target_probs
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.growth import Candidates, TreeShape
-from eagle_lab.decoding.generate import Stopper, speculative_decode
 from eagle_lab.drafters.ngram import NgramProposer
-from eagle_lab.decoding.sampling import SamplingParams, target_probs
 from eagle_lab.models.target import Target
 from eagle_lab.tree_search.space import TreeSearchConfig
-
 
 NGRAM_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)  # chain lengths searched, up to ngram.max_tokens
 

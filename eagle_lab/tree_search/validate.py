@@ -11,15 +11,14 @@ from dataclasses import asdict, replace
 
 import torch
 
+from eagle_lab.decoding.generate import Stopper, speculative_decode
+from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.growth import TreeShape
-from eagle_lab.decoding.generate import Stopper, speculative_decode
 from eagle_lab.drafters.ngram import NgramProposer
-from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.target import Target
-from eagle_lab.tree_search.space import TreeSearchConfig
 from eagle_lab.tree_search.costs import CostModel
-
+from eagle_lab.tree_search.space import TreeSearchConfig
 
 VALIDATE_TOP = 3  # the model's best shapes timed in the decoding loop before one is chosen
 SMALL_TREE_TOKENS = 1  # the best head tree of at most this many draft tokens is always timed too

@@ -16,13 +16,12 @@ import torch
 
 from eagle_lab.decoding.cache import cache_length, truncate
 from eagle_lab.decoding.sampling import DraftSampling
+from eagle_lab.decoding.tree import DraftTree, root_only_tree
 from eagle_lab.drafters.growth import Candidates, TreeShape, grow_dynamic_tree
 from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.masks import additive_mask
 from eagle_lab.models.target import Target
-from eagle_lab.decoding.tree import DraftTree, root_only_tree
-
 
 
 def check_same_tokenizer(target: Target, draft: Target) -> None:

@@ -98,7 +98,8 @@ def load_layers_only(directory: str | Path, target: Target, name: str = "draft_l
 def main(argv: list[str]) -> int:
     args = dict(arg.split("=", 1) for arg in argv if "=" in arg)
     if not {"head_path", "out"} <= set(args):
-        print("usage: python -m eagle_lab.drafters.draft_model.store head_path=DIR out=DIR [target=smollm2_135m]", file=sys.stderr)
+        print("usage: python -m eagle_lab.drafters.draft_model.store head_path=DIR out=DIR [target=smollm2_135m]",
+              file=sys.stderr)
         return 2
     source = Path(args["head_path"]).expanduser()
     if not (source / "config.json").is_file():

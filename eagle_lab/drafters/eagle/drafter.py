@@ -32,8 +32,7 @@ from eagle_lab.decoding.sampling import DraftSampling, SamplingParams
 from eagle_lab.decoding.tree import DraftTree, root_only_tree
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache, draft_lm_head_weight
 from eagle_lab.drafters.eagle.head_runner import HeadStepRunner
-from eagle_lab.drafters.growth import (Candidates, ChainControl, TreeChoice, TreeGrowth, TreeShape,
-                                      grow_dynamic_tree)
+from eagle_lab.drafters.growth import Candidates, ChainControl, TreeChoice, TreeGrowth, TreeShape, grow_dynamic_tree
 from eagle_lab.drafters.ngram import NgramProposer, merge_chain
 from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
 from eagle_lab.models.target import Target

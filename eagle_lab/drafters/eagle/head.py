@@ -44,7 +44,7 @@ class HeadArchitecture:
 
     @classmethod
     def for_target(cls, target, kind: str = "eagle2", draft_vocab_size: int = 0,
-                   feature_layers: tuple[int, ...] = ()) -> "HeadArchitecture":
+                   feature_layers: tuple[int, ...] = ()) -> HeadArchitecture:
         c = target.config
         heads = c.num_attention_heads
         return cls(
@@ -117,7 +117,7 @@ class HeadKVCache:
     def values(self) -> torch.Tensor | None:
         return None if self.value_buffer is None else self.value_buffer[:, :, :self.length]
 
-    def reserve(self, slots: int, like: torch.Tensor, arch: "HeadArchitecture", batch: int = 1) -> None:
+    def reserve(self, slots: int, like: torch.Tensor, arch: HeadArchitecture, batch: int = 1) -> None:
         """Room for `slots` entries per row (buffers of like's dtype and device)."""
         self._grow(slots, (batch, arch.num_kv_heads, arch.head_dim), like)
 

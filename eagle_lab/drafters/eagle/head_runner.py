@@ -4,8 +4,9 @@ Keys and values go into the head cache at given slots in place, so the shapes a 
 fixed: rows are padded to a bucket, and attention runs under an additive mask over the first W slots of
 the cache, W the smallest width (256, its doublings, the capacity) past the rows' slots. Padding rows
 write to slot W - 1, which no row sees before a real row has written it (rows fill slots in order). On
-CPU each bucket and width is an AOTInductor package like the target's step (eagle_lab/decoding/graph_store.py: built once per
-machine, loaded in milliseconds, bound to the head's own weights); one graph replaces the dozens of
+CPU each bucket and width is an AOTInductor package like the target's step
+(eagle_lab/decoding/graph_store.py: built once per machine, loaded in milliseconds, bound to the head's
+own weights); one graph replaces the dozens of
 small eager kernels a step is made of. On CUDA it is compiled with torch.compile. Drafts are
 proposals only: their numerics never touch exactness.
 """
@@ -22,7 +23,7 @@ from torch import nn
 from eagle_lab.decoding.compiled import call_known_graph, doubling_lengths, raise_recompile_limits
 from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache
-from eagle_lab.drafters.eagle.head_step import STEP_SOURCES, HeadStep, BoundHeadStep
+from eagle_lab.drafters.eagle.head_step import STEP_SOURCES, BoundHeadStep, HeadStep
 from eagle_lab.models.native import op_schemas
 from eagle_lab.models.masks import additive_mask
 

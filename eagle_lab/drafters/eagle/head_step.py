@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle_lab.models.stable_linear import StableLinear
 from eagle_lab.drafters.eagle.head import EagleHead
+from eagle_lab.models.stable_linear import StableLinear
 
 # what the head step's packages are built from
 STEP_SOURCES = ("drafters/eagle/head_step.py", "drafters/eagle/head.py", "drafters/eagle/eagle3.py",
@@ -62,7 +62,10 @@ class HeadStep(nn.Module):
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, enable_gqa=grouped)  # [1, nH, T, D]
         hidden = self.head.layer.finish(residual, attention.o_proj(out.transpose(1, 2).reshape(1, rows, -1)))
         scored = hidden[0, -1:] if last_only else hidden[0]  # [T or 1, H]
-        logits = self.lm_linear(scored) if self.lm_linear is not None else self.head.draft_logits(scored, self.lm_weight)
+        if self.lm_linear is not None:
+            logits = self.lm_linear(scored)
+        else:
+            logits = self.head.draft_logits(scored, self.lm_weight)
         logp = logits.float().log_softmax(-1)  # [T or 1, Vd]
         top = logp.topk(k, dim=-1)
         return hidden, top.values, top.indices

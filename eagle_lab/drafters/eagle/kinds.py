@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_lab.drafters.eagle.eagle3 import Eagle3Head
-from eagle_lab.errors import EagleLabError
 from eagle_lab.drafters.eagle.head import CONFIG_NAME, WEIGHTS_NAME, EagleHead, HeadArchitecture
+from eagle_lab.errors import EagleLabError
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ def new_head(target, kind: str = "eagle2", draft_vocab_ids: torch.Tensor | None 
         raise EagleLabError(f"head.intermediate_size must be >= 0 (0 = the target's), got {intermediate_size}")
     if intermediate_size:
         if layer_from_target and intermediate_size != arch.intermediate_size:
-            raise EagleLabError("head.init_layer_from_target copies the target's MLP: leave head.intermediate_size at 0")
+            raise EagleLabError("head.init_layer_from_target copies the target's MLP: "
+                                "leave head.intermediate_size at 0")
         arch.intermediate_size = intermediate_size
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

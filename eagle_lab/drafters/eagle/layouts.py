@@ -30,10 +30,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle_lab.errors import EagleLabError
 from eagle_lab.drafters.eagle.eagle3 import eagle3_layer_ids
 from eagle_lab.drafters.eagle.head import CONFIG_NAME, WEIGHTS_NAME, EagleHead, HeadArchitecture
 from eagle_lab.drafters.eagle.kinds import head_class, load_native_head
+from eagle_lab.errors import EagleLabError
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def stored_dtype(directory: str | Path) -> torch.dtype | None:
     for path in files:
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt") as handle:
-                if "fc.weight" in handle.keys():
+                if "fc.weight" in handle.keys():  # noqa: SIM118 (safe_open handles have no __contains__)
                     return handle.get_slice("fc.weight")[:1].dtype
         else:
             state = _load_weights([path])
@@ -379,9 +379,8 @@ def _draft_to_target(state: dict, arch: HeadArchitecture, where: str) -> torch.T
 def _check_rope(config: dict, target, where: str) -> None:
     theirs, _ = _rope(config)
     ours, _ = _rope(_config_dict(target))
-    if "rope_theta" in config or "rope_parameters" in config:
-        if abs(theirs - ours) > 1e-6 * max(abs(ours), 1.0):
-            log.warning("%s: rope_theta %g != target's %g; drafting uses the target's", where, theirs, ours)
+    if ("rope_theta" in config or "rope_parameters" in config) and abs(theirs - ours) > 1e-6 * max(abs(ours), 1.0):
+        log.warning("%s: rope_theta %g != target's %g; drafting uses the target's", where, theirs, ours)
 
 
 def load_head(directory: str | Path, target) -> EagleHead:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 
 from eagle_lab.decoding.sampling import DraftSampling
-from eagle_lab.drafters.growth import Candidates, TreeShape, grow_dynamic_tree
-from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
-from eagle_lab.drafters.eagle.head import draft_lm_head_weight
-from eagle_lab.errors import EagleLabError
-from eagle_lab.drafters.medusa.heads import MedusaHeads
-from eagle_lab.models.target import Target
 from eagle_lab.decoding.tree import DraftTree, root_only_tree
+from eagle_lab.drafters.eagle.head import draft_lm_head_weight
+from eagle_lab.drafters.growth import Candidates, TreeShape, grow_dynamic_tree
+from eagle_lab.drafters.medusa.heads import MedusaHeads
+from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
+from eagle_lab.errors import EagleLabError
+from eagle_lab.models.target import Target
 
 
 class MedusaDrafter:
@@ -44,7 +44,8 @@ class MedusaDrafter:
     @torch.no_grad()
     def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
               sampling: DraftSampling | None = None) -> DraftTree:
-        """sampling (T > 0): each depth's tokens drawn from its head's distribution, on a spine (drafters/sampled.py)."""
+        """sampling (T > 0): each depth's tokens drawn from its head's distribution, on a spine
+        (drafters/sampled.py)."""
         root = int(sequence[-1])
         depth = min(self.shape.depth, max_depth)
         if depth < 1 or self.shape.topk < 1 or self.shape.total_tokens < 1:

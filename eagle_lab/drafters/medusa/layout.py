@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle_lab.errors import EagleLabError
 from eagle_lab.drafters.medusa.heads import MedusaArch, MedusaHeads, load_medusa, save_medusa
+from eagle_lab.errors import EagleLabError
 
 CONFIG, WEIGHTS, WEIGHTS_PT = "config.json", "medusa_lm_head.safetensors", "medusa_lm_head.pt"
 
@@ -71,7 +71,8 @@ def import_medusa_layout(directory: str | Path, target) -> MedusaHeads:
         raise EagleLabError(f"'{directory}' is not a Medusa-layout directory ({CONFIG} with medusa_num_heads, "
                             f"{WEIGHTS}): {err}") from err
     if layers != 1:
-        raise EagleLabError(f"the Medusa heads in '{directory}' have {layers} residual blocks each; eagle_lab's have one")
+        raise EagleLabError(f"the Medusa heads in '{directory}' have {layers} residual blocks each; "
+                            "eagle_lab's have one")
     missing = [key for i in range(count) for key in (f"{i}.0.linear.weight", f"{i}.0.linear.bias", f"{i}.1.weight")
                if key not in state]
     if missing:
@@ -95,7 +96,8 @@ def import_medusa_layout(directory: str | Path, target) -> MedusaHeads:
 def main(argv: list[str]) -> int:
     from eagle_lab.models.target import TargetConfig, load_target
 
-    usage = "usage: python -m eagle_lab.drafters.medusa.layout export|import head_path=DIR out=DIR [target=smollm2_135m]"
+    usage = ("usage: python -m eagle_lab.drafters.medusa.layout export|import head_path=DIR out=DIR "
+             "[target=smollm2_135m]")
     args = dict(arg.split("=", 1) for arg in argv[1:] if "=" in arg)
     if not argv or argv[0] not in ("export", "import") or not {"head_path", "out"} <= set(args):
         print(usage, file=sys.stderr)
