@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ("README.md", "docs", "eagle_lab", "conf", "tests")
 SUFFIXES = {".py", ".md", ".yaml", ".yml", ".txt", ".json"}
 README_MAX_LINES = 350
+README_MAX_WIDTH = 110  # characters: the README reads without side-scrolling
 
 # Built from pieces so that this file does not match itself.
 _SESSION = "sess" + "ions?"
@@ -52,6 +53,12 @@ def test_readme_is_a_manual_not_a_diary():
                                             "move measurements and design notes to docs/")
     hits = _hits(README_DIARY, [readme])
     assert not hits, "diary wording in README.md:\n" + "\n".join(hits)
+
+
+def test_readme_lines_fit_the_page():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    wide = [f"README.md:{n}: {len(line)} characters" for n, line in enumerate(lines, 1) if len(line) > README_MAX_WIDTH]
+    assert not wide, f"README lines over {README_MAX_WIDTH} characters (rewrap them):\n" + "\n".join(wide)
 
 
 def test_the_patterns_catch_what_they_are_for():
