@@ -10,6 +10,7 @@ SCANNED = ("README.md", "docs", "eagle_lab", "conf", "tests")
 SUFFIXES = {".py", ".md", ".yaml", ".yml", ".txt", ".json"}
 README_MAX_LINES = 350
 README_MAX_WIDTH = 110  # characters: the README reads without side-scrolling
+BENCHMARKS_MAX_LINES = 400  # docs/benchmarks.md: the current figures; older ones stay in git
 
 # Built from pieces so that this file does not match itself.
 _SESSION = "sess" + "ions?"
@@ -59,6 +60,13 @@ def test_readme_lines_fit_the_page():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     wide = [f"README.md:{n}: {len(line)} characters" for n, line in enumerate(lines, 1) if len(line) > README_MAX_WIDTH]
     assert not wide, f"README lines over {README_MAX_WIDTH} characters (rewrap them):\n" + "\n".join(wide)
+
+
+def test_benchmarks_page_keeps_current_figures_only():
+    lines = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= BENCHMARKS_MAX_LINES, (
+        f"docs/benchmarks.md has {len(lines)} lines (at most {BENCHMARKS_MAX_LINES}): replace superseded figures "
+        "with the newest of their kind; the older ones stay in git")
 
 
 def test_the_patterns_catch_what_they_are_for():
