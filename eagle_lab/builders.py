@@ -77,8 +77,7 @@ HEAD_WEIGHTS = ("fp32", "bf16", "w8a8", "w4a8")  # target.weights names a head m
 def head_storage(cfg: HeadConfig) -> str:
     """head.draft_weights as a row-stable kernel storage. auto follows head.draft_dtype when it is set (float32:
     fp32 panels, bfloat16: bf16 panels); with both auto: w8a8 on CPUs with integer dot products (AVX512-VNNI or
-    AVX2; a draft level reads 0.6x the bytes of bf16 panels: 0.25 ms less per level, same tau, on the packaged
-    SmolLM2 head), else bf16 panels."""
+    AVX2; a draft level reads fewer bytes than from bf16 panels, at the same tau), else bf16 panels."""
     if cfg.draft_weights == "auto":
         if cfg.draft_dtype in ("float32", "fp32"):
             return "f32"

@@ -37,7 +37,7 @@ class HeadConfig:
     # depends on their numerics.
     draft_dtype: str = "auto"
     # serving, beside a CPU target on the row-stable kernel: how the head's linear weights are stored: auto (as
-    # draft_dtype when that is set; else w8a8 with AVX512-VNNI, else bf16) | fp32 | bf16 | w8a8 | w4a8
+    # draft_dtype when that is set; else w8a8 with AVX2 or AVX512-VNNI, else bf16) | fp32 | bf16 | w8a8 | w4a8
     draft_weights: str = "auto"
     seed: int = 0
 

@@ -37,14 +37,14 @@ class DecodingConfig:
 
     buckets: tokens per static forward; a round's N tokens run in the smallest bucket >= N, padded,
     so a few graphs serve every tree size (a larger tree gets the next power of two, compiled then).
-    Every size up to 4 has its own: on a CPU each scored token costs (SmolLM2 w4a8, 2 threads: 7.5 / 8.6 / 9.4
-    / 9.9 ms for 1-4), and the small trees that pay there would pay less padded to 4.
+    Every size up to 4 has its own: on a CPU each scored token costs (docs/benchmarks.md), and the small trees
+    that pay there would pay less padded to 4.
     cache_block: static caches are sized in multiples of this many tokens.
     min_attended_length: a compiled step attends over the first L positions of its cache, L the smallest of
     this length, its doublings and the cache's capacity that holds the step's tokens; each L is a graph
     (compiled when first needed, or all at a shape's first step: StaticBackend's compile_ahead).
-    Attention reads every position it is given, masked or not (a plain step over a 1,024-slot cache took
-    3 ms more than over 512 on a 2-core CPU). 0: the whole cache.
+    Attention reads every position it is given, masked or not, so a step over a larger cache costs more.
+    0: the whole cache.
     cache_capacity: a single sequence's static cache holds at least this many positions (more when its
     prompt and max_new_tokens need it), so that sequences of different lengths share graphs: a graph is
     specialised on the strides of the cache it writes, which follow the capacity.

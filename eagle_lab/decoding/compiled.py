@@ -1,7 +1,7 @@
 """The target's fixed-shape step, compiled, and compile=auto's choice.
 
-On CPU each step shape is an AOTInductor package (graph_store.py): built once on a machine (about
-half a minute a graph on 2 cores), loaded by every later process in milliseconds, and bound to the
+On CPU each step shape is an AOTInductor package (graph_store.py): built once on a machine (a
+slow step: `make compile` builds them ahead), loaded by every later process in milliseconds, and bound to the
 target's own weights. On CUDA the step is compiled with `torch.compile(mode="reduce-overhead")`
 (captured CUDA graphs) in each process. Each (rows, tokens, attended length, cache layout) is one
 graph.
@@ -65,7 +65,7 @@ def inductor_cache_dir() -> str:
 
 def inductor_settings(settings: dict):
     """A context with inductor's config patched. Inductor is imported here, on first use: importing it
-    costs 1.5 s, which a process that never compiles should not pay."""
+    takes a noticeable part of start-up, which a process that never compiles should not pay."""
     import torch._inductor.config as inductor_config
 
     return inductor_config.patch(settings)
@@ -80,7 +80,7 @@ class _GuardSkipping:
 def call_known_graph(fn, args: tuple, device: torch.device):
     """fn(*args) for a compiled fn that has already compiled a graph for these inputs' shapes. On CPU,
     dynamo then evaluates only the guards that have told its graphs apart, not every guard of the chosen
-    one (the target step's guards took 1.3-2 ms per call on a 2-core EPYC, 5-7% of a step). The callers
+    one (the target step's guards, checked in full on every call, cost a visible share of a CPU step). The callers
     key their graphs by every shape and stride a graph depends on and pass contiguous inputs. Should a
     guard that has told graphs apart fail anyway, dynamo refuses to recompile under this stance: the call
     is then made again with every guard (it recompiles), and so is every later one in this process. On

@@ -1,7 +1,7 @@
 """Compiled graphs that outlive the process: AOTInductor packages on disk, built once per machine.
 
-`torch.compile` rebuilds every graph in every process (1-4 minutes each on a 2-core CPU), so a short
-run never got compiled decoding. Here a step is exported (`torch.export`) and compiled ahead of time
+`torch.compile` rebuilds every graph in every process (minutes each on a small CPU), so a short
+run would never get compiled decoding. Here a step is exported (`torch.export`) and compiled ahead of time
 into a package (`torch._inductor.aoti_compile_and_package`) under `<cache>/compiled/`; a later process
 loads it in milliseconds and runs it from its first token.
 
@@ -9,13 +9,13 @@ Packages hold code, not weights: they are compiled without freezing and with
 `package_constants_in_so=False`, and a loaded package is bound to the live module's own parameters
 (`load_constants(..., user_managed=True)`: no copy). So a package is a few MB, one set of weights
 serves every package, and a package cannot run stale weights: new weights of the same shapes run
-through the same code. On a 2-core Xeon (AMX) this unfrozen code ran a 1-token SmolLM2 step as fast
-as the frozen, prepacked torch.compile graph (docs/design-decoding.md, "Compiled artifacts").
+through the same code. On CPUs with AMX this unfrozen code runs a 1-token step as fast as the frozen,
+prepacked torch.compile graph (docs/design-decoding.md, "Compiled artifacts").
 
 `frozen=True` (decoding.frozen_weights) compiles the other way: weights frozen into the package and
 prepacked for inductor's C++ GEMM template, autotuned per shape. On CPUs where that template beats
-MKL at a few rows (a 2-core AVX2 EPYC: a 1-token step 27 ms frozen against 52-59 ms unfrozen, in
-torch.compile) it is worth its cost: each package then carries the weights (about 0.65 GB per graph
+MKL at a few rows (measured on an AVX2 CPU: docs/design-decoding.md, "Compiled artifacts") it is
+worth its cost: each package then carries the weights (about 0.65 GB per graph
 for SmolLM2 in fp32) and takes minutes to build, and its key includes a digest of the weights.
 
 A package's path is a hash of everything its code depends on: torch, transformers and Python
@@ -259,7 +259,7 @@ class LoadedPackage:
 
     The inputs are flattened here, depth first (the order export flattened them in), and handed to the
     package's runner; the generic call of a loaded package parses its input and output specs and walks the
-    arguments with pytree on every call, about 0.2 ms each: a speculative round makes three calls."""
+    arguments with pytree on every call, a cost a speculative round pays three times."""
 
     def __init__(self, compiled):
         self.compiled = compiled  # torch's AOTICompiledModel

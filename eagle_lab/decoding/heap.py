@@ -1,8 +1,8 @@
 """Keeping Python's cyclic garbage collector away from what a process loaded before it decodes.
 
 A loaded target, its tokenizer, head and compiled packages are ~400,000 objects the collector tracks
-(SmolLM2-135M with its packaged head). A full collection walks every one of them: 230 ms on a 2-core
-CPU, about forty plain decoding steps, and one falls wherever the allocation counters say, inside a
+(SmolLM2-135M with its packaged head). A full collection walks every one of them, as long as
+dozens of plain decoding steps, and one falls wherever the allocation counters say, inside a
 timed run or a request. None of those objects is garbage while the process serves, so once set-up is
 done they are moved out of the collector's reach (`gc.freeze`, as vLLM and SGLang do after start-up);
 what decoding allocates afterwards is still collected as usual.

@@ -1,6 +1,7 @@
 """One speculative round for one sequence: draft -> score -> verify -> commit.
 
-The round is written once; the loops (eagle_lab/decoding/generate.py) drive it, and anything that
+The loops (eagle_lab/decoding/generate.py) drive this single-sequence round; the server's batched
+round (eagle_lab/serving/batching.py) runs the same phases for several sequences. Anything that
 wants to watch a round (profiling, tree search timing) passes a `RoundObserver` instead of
 patching functions: it is told each phase's result and its wall time.
 """

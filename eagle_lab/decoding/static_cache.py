@@ -48,8 +48,8 @@ def _as_graph_inputs(hf_cache: StaticCache) -> None:
 
 def _shared_counters(hf_cache: StaticCache) -> torch.Tensor | None:
     """On CPU, every layer's write counter becomes one element of a single tensor [layers], so that setting
-    them all is one kernel, not one per layer (a decoding step sets them once, and on a 2-core CPU 30 fills
-    cost about 2% of a small model's step). Each layer still adds to its own element in place, so nothing
+    them all is one kernel, not one per layer (a decoding step sets them once, and a fill per layer costs a
+    small model's step more than one fill). Each layer still adds to its own element in place, so nothing
     is shared but the storage. CUDA keeps Hugging Face's own counters (marked static for CUDA graphs).
     -> the shared tensor, or None where the counters stay apart."""
     layers = hf_cache.layers
@@ -65,7 +65,7 @@ def _shared_counters(hf_cache: StaticCache) -> torch.Tensor | None:
 def _stacked_storage(hf_cache: StaticCache) -> tuple[torch.Tensor, torch.Tensor] | None:
     """On CPU, every layer's keys (and values) become one slice of a single tensor [layers, R, kvH, capacity, D],
     so that moving a round's accepted entries, or a row, is one copy for all layers, not one per layer tensor (60
-    on SmolLM2, about 0.3 ms a tree round on 2 cores). Each layer's tensor keeps its shape and strides (a graph
+    on SmolLM2, each a small kernel launch on a CPU). Each layer's tensor keeps its shape and strides (a graph
     built for the separate tensors runs on these). CUDA keeps Hugging Face's own tensors (marked static for CUDA
     graphs). -> (keys, values) stacked, or None where the layers differ in shape or stay apart."""
     layers = hf_cache.layers
@@ -120,7 +120,7 @@ class StaticKVCache:
 
     def eager_prefix(self, start: int, rows: int, needed: int) -> StaticKVCache:
         """A view over little more than `needed` positions, for an eager forward (a prefill): attention then
-        reads the prompt, not the whole capacity (a 46-token prefill over a 1024-slot cache took 1.3-1.5x longer)."""
+        reads the prompt, not the whole capacity (over the whole cache a short prefill is markedly slower)."""
         return self.view(start, rows, min(self.capacity, -(-needed // EAGER_BLOCK) * EAGER_BLOCK))
 
     def view(self, start: int, rows: int, length: int) -> StaticKVCache:

@@ -73,8 +73,8 @@ def verify(
 ) -> tuple[torch.Tensor, int]:
     """Walk the tree from the root; returns (accepted node indices [L + 1], bonus token id).
 
-    node_logits is asked only for nodes on the accepted path: the LM head over a large
-    vocabulary is a big part of a CPU round, so rows nobody reads are never computed.
+    node_logits is asked only for nodes on the accepted path (the scorer has computed every scored
+    row's logits beforehand, in one LM-head matmul).
     """
     return run_steps(verify_steps(tree, params, generator), node_logits)
 

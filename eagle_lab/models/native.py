@@ -3,9 +3,9 @@
 A library is built with the host's compiler for the host's instruction set (`-march=native`) and keyed by what
 its machine code depends on: the source and the headers beside it, torch's version and ABI, the compiler's version,
 the CPU's flags and the instruction set asked for. A variant may be built for an older instruction set than the
-host's (`march="x86-64-v3"`: AVX2 and FMA, no AVX-512), which is how this machine tests and times the code another
-CPU runs. A later process loads the built library in milliseconds; another machine, compiler or torch builds its
-own. Building takes about 10 s on 2 cores.
+host's (`march="x86-64-v3"`: AVX2 and FMA, no AVX-512), which is how a newer CPU tests and times the code an older
+one runs. A later process loads the built library in milliseconds; another machine, compiler or torch builds its
+own. Building takes seconds.
 """
 
 from __future__ import annotations

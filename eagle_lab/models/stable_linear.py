@@ -192,7 +192,7 @@ FUSIBLE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class FusedProjections(nn.Module):
     """Several linear layers of one input (attention's q, k and v; the MLP's gate and up) as one StableLinear
     over their stacked columns, so a forward makes one kernel call where it made several. On CPU every call
-    opens a parallel region (about 5 us on two cores, beside the proxy call of a compiled package), and a
+    opens a parallel region (beside the proxy call of a compiled package: docs/benchmarks.md), and a
     one-token step of a small model is hundreds of calls. Each column is computed as it was alone (the
     kernel's columns do not depend on their neighbours), so the outputs are bitwise those of the separate
     layers.

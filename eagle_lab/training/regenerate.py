@@ -64,7 +64,7 @@ class RegenerateConfig:
     samples: int = 1  # replies per training conversation, each with its own seed (> 1 needs temperature > 0)
     # "" = the replies come from the training target as loaded; a target.weights name (auto, w4a8, ...) = from the
     # target loaded again on CPU with its linear layers stored that way: how it decodes when served, and on 32 rows
-    # 3x the bf16 target's reply rate with w4a8 (docs/design-training.md, "At the served precision")
+    # a faster reply rate than the bf16 target with w4a8 (docs/design-training.md, "At the served precision")
     weights: str = ""
 
     def validate(self) -> None:
@@ -267,8 +267,8 @@ def target_rewrite(target: Target, data, rank: int = 0, world: int = 1, barrier:
 
 
 def reply_rows(target: Target, rows: int, max_length: int) -> StaticRows | None:
-    """The static cache replies are decoded on (None: Hugging Face generate). Eager: compiled, a
-    32-row bf16 step measured slower here (500 ms against 277 ms on one thread of an AMX Xeon)."""
+    """The static cache replies are decoded on (None: Hugging Face generate). Eager: a compiled 32-row bf16
+    step was slower than the eager one on CPU."""
     if rows == 0:
         return None
     backend = StaticBackend(target, buckets=[1], compiled=False)

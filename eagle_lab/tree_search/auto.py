@@ -264,7 +264,7 @@ CLOSE_CALL = 0.6  # a drafting row the model prices at this share of plain decod
 def _close_call(ranked: list[dict]) -> bool:
     """Whether the model's best drafting row comes within CLOSE_CALL of plain decoding (ranked first). The
     model's per-round overhead is fitted from two timed runs; when the machine slowed between those and the
-    cost curve, it overprices every tree (a chain that decodes 1.1-1.2x plain, priced below it), and only
+    cost curve, it overprices every tree (a chain that decodes faster than plain, priced below it), and only
     timing both in the loop, in turns, tells."""
     drafting = next((r for r in ranked if not is_plain(r)), None)
     return drafting is not None and drafting["tokens_per_s"] >= CLOSE_CALL * ranked[0]["tokens_per_s"]

@@ -111,7 +111,7 @@ def measure_target_costs(target: Target, context: int, grid=K_GRID, backend: Bac
     costs (a 5-token tree what the 8-token bucket does, which no interpolation between 4 and 8 gives):
     each bucket is timed, `reps` times in turns with the others so a drift in the machine's speed falls
     on all alike, and its median given to every size it holds (timed size by size, neighbours in one
-    bucket differed by up to 1.5x on a drifting 2-core CPU). Each timed call follows an untimed one of
+    bucket came out far apart on a drifting machine). Each timed call follows an untimed one of
     the same bucket, as a decoding loop calls one package round after round."""
     backend = backend or EagerBackend(target)
     largest = largest_tree(backend, max(grid))

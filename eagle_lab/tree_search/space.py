@@ -15,7 +15,7 @@ class TreeSearchConfig:
     new_tokens: int = 48
     # cached tokens behind the timed forwards and draft steps: about where the calibration's own runs decode (a
     # chat prompt and new_tokens), so the model's prices agree with its timed no-draft and probe rounds; timed
-    # past 256 tokens (attending over 512 positions) a tree's forward cost 1.6 ms more than the runs' own
+    # past 256 tokens (attending over 512 positions) a tree's forward costs more than the runs' own
     context: int = 96
     validate_new_tokens: int = 64  # per prompt when the best shapes are timed against plain decoding
     # sampling temperatures whose expected accept lengths the recording prices (a sampled request
@@ -39,8 +39,8 @@ class TreeConfig:
     # calibration prompts overrated trees (docs/design-batching.md, "A tree per batch size"); at batch 1
     # a small margin, so that a tie within the timings' noise keeps plain decoding
     min_gain: float = 1.03
-    # the margin at batch 1 when sampling (T > 0): the few calibration prompts overrated a tree at T=1 (1.06x
-    # timed on them, 0.94x on 80 MT-bench prompts; docs/design-tree-search.md)
+    # the margin at batch 1 when sampling (T > 0): the few calibration prompts can rate a tree faster than
+    # plain decoding at T=1 where a full benchmark finds it slower (docs/design-tree-search.md)
     sampled_min_gain: float = 1.1
     batch_min_gain: float = 1.2
     # on a device not calibrated yet, a run planned to decode fewer tokens than this (prompts x

@@ -144,8 +144,8 @@ def cap_at_tau(rows: list[dict]) -> None:
     """A round scores its root and its drafts in one forward, so it costs at least a plain step: no drafting row
     can decode faster than its measured tau times plain decoding's speed, timed beside it. A row timed faster
     than that was timed in a faster minute of the machine; it is set to the bound (and marked `capped`), so that
-    a drafter that rarely drafts (an n-gram chain at tau 1.04 can time 9% above plain decoding on a 2-core VM) does
-    not win on noise against one that accepts more."""
+    a drafter that rarely drafts (an n-gram chain at tau near 1 can time well above plain decoding on a drifting
+    machine) does not win on noise against one that accepts more."""
     plain = next((r for r in rows if is_plain(r)), None)
     if plain is None:
         return
