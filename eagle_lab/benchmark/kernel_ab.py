@@ -4,7 +4,7 @@ python -m eagle_lab.benchmark.kernel_ab [against=GIT_REV|FILE.cpp] [march=native
 
 `against` (default HEAD) is built under an op namespace of its own (models/native.load_variant) beside the working
 tree's kernel, and the two run the target's linear stack (benchmark/gemm_rows.py) in turns, pass after pass, so that
-a drift in the machine's speed falls on both alike: on a 2-core VM separate processes drifted by up to 30%, more than
+a drift in the machine's speed falls on both alike: on a small shared VM separate processes drift by more than
 the effects measured.
 `march` builds `against` for another instruction set (`x86-64-v3`: AVX2 and FMA; `x86-64-v4`: AVX-512 without
 VNNI): against=WORKTREE's own file then times the code an older CPU runs, on this one, and checks that it computes

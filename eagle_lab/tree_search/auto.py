@@ -24,7 +24,7 @@ same loop with the head switched off), not by a model. The per-round overhead of
 two timed shapes, the recording's and a small probe.
 A quick calibration, for a short run on a device not yet calibrated (`tree.quick_below_tokens`),
 times the two shapes and the best few in the loop on one prompt each, and skips the n-gram-only
-rounds: about a minute on a 2-core CPU instead of four; the next long run (a bench, the server, a
+rounds, in a fraction of the full calibration's time; the next long run (a bench, the server, a
 long prompts file) replaces it with the full calibration.
 The result is cached per target, head, device, dtype and the code that runs and times a round (its
 syntax, not its docstrings: calibration_fingerprint). Fixed `tree.depth/topk/total_tokens`

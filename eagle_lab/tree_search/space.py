@@ -44,8 +44,8 @@ class TreeConfig:
     sampled_min_gain: float = 1.1
     batch_min_gain: float = 1.2
     # on a device not calibrated yet, a run planned to decode fewer tokens than this (prompts x
-    # max_new_tokens) calibrates quickly (about a minute on a 2-core CPU, its candidates timed on one
-    # prompt) instead of in full (about four, on all the calibration prompts); 0: always in full
+    # max_new_tokens) calibrates quickly (its candidates timed on one prompt) instead of in full (on
+    # all the calibration prompts, several times longer); 0: always in full
     quick_below_tokens: int = 2048
     # choose each round's chain length online, up to `depth` (3 when 0), from the acceptance this reply shows and
     # the rounds' measured cost (eagle_lab/tree_search/online.py); tree=auto's calibration is not run

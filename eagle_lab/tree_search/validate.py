@@ -35,8 +35,8 @@ def decode_timings(target: Target, drafter: EagleDrafter, prompts: list[list[int
     not counted. Each prompt is decoded by every candidate in turn, in an order rotated from one
     prompt and pass to the next, so a drift in the machine's speed (other work, clocks) falls on all
     of them alike instead of on whichever was timed last; of a candidate's `passes` runs of a prompt
-    the fastest counts (on a shared 2-core VM, runs seconds apart differed by 15-25%, enough to turn
-    a tie into a win). Sampling: every candidate draws from the same seed on a prompt."""
+    the fastest counts (on a shared VM, runs seconds apart differ by enough to turn a tie into a
+    win). Sampling: every candidate draws from the same seed on a prompt."""
     totals = [{"tokens": 0, "rounds": 0, "seconds": 0.0} for _ in candidates]
     for p, ids in enumerate(prompts):
         fastest: dict[int, tuple[float, int, int]] = {}  # candidate -> (seconds, tokens, rounds)
