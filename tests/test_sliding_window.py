@@ -117,7 +117,8 @@ def test_server_rows_at_batch_four_equal_each_sequence_alone(windowed, kinds):
     prompts = encoded(windowed, ["Tell me a story about a dragon.", "1 2 3 1 2 3 1 2 3 1 2 3",
                                  "def add(a, b):\n    return a + b", "Hi there, window"])
     lengths = (30, 24, 36, 20)
-    expected = [alone(windowed, d, p, GREEDY, n, 0) for d, p, n in zip(make_drafters(windowed, kinds), prompts, lengths)]
+    drafters = make_drafters(windowed, kinds)
+    expected = [alone(windowed, d, p, GREEDY, n, 0) for d, p, n in zip(drafters, prompts, lengths)]
     assert all(p.numel() + n > 4 * WINDOW for p, n in zip(prompts, lengths))
     got = together(windowed, make_drafters(windowed, kinds), prompts, GREEDY, lengths, [0] * 4,
                    rows=static_rows(windowed))

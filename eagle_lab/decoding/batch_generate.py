@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle_lab.decoding.static_rows import Row, StaticRows
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.sampling import SamplingParams, next_token
+from eagle_lab.decoding.static_rows import Row, StaticRows
 from eagle_lab.decoding.tree import root_only_tree
+from eagle_lab.errors import EagleLabError
 
 
 @contextlib.contextmanager

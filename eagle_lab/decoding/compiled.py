@@ -28,9 +28,9 @@ import torch
 from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.decoding.step_graph import FlatStep, Step, cache_inputs
 from eagle_lab.models.device import cpu_features
-from eagle_lab.models.native import op_schemas
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.masks import contiguous
+from eagle_lab.models.native import op_schemas
 from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,10 @@ class StepCompiler:
         store_key = self._package_key(flat, args)
         what = f"the target step for {_shape_name(key[1], key[2])} over {cache.capacity} positions"
         # export traces on fake tensors: building writes nothing into the cache
-        runner = self.store.load_or_build(store_key, flat, args, what) if self.build else self.store.load(store_key, flat)
+        if self.build:
+            runner = self.store.load_or_build(store_key, flat, args, what)
+        else:
+            runner = self.store.load(store_key, flat)
         if runner is None:
             return None
 

@@ -15,12 +15,11 @@ import torch
 
 from eagle_lab.decoding.backend import Backend, EagerBackend
 from eagle_lab.decoding.round import RoundObserver, speculative_round
-from eagle_lab.decoding.scoring import Scorer
-from eagle_lab.decoding.tree import Drafter
-from eagle_lab.errors import EagleLabError
 from eagle_lab.decoding.sampling import SamplingParams, next_token
+from eagle_lab.decoding.scoring import Scorer
+from eagle_lab.decoding.tree import Drafter, DraftTree
+from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import Target
-from eagle_lab.decoding.tree import DraftTree
 
 
 @dataclass

@@ -209,7 +209,8 @@ class GraphStore:
         os.close(handle)
         try:
             aoti_compile_and_package(exported, package_path=partial,
-                                     inductor_configs=dict(FROZEN_OPTIONS if self.frozen else PACKAGE_OPTIONS))  # it adds keys
+                                     inductor_configs=dict(FROZEN_OPTIONS if self.frozen
+                                                           else PACKAGE_OPTIONS))  # it adds keys
             os.replace(partial, self.path(key))
         finally:
             if os.path.exists(partial):

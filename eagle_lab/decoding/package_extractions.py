@@ -79,7 +79,8 @@ def remove_orphaned_extractions(roots: list[Path] | None = None, min_age_s: floa
                 info = directory.stat()
             except OSError:
                 continue
-            if stat.S_ISDIR(info.st_mode) and info.st_uid == owner and now - info.st_mtime >= min_age_s and is_ours(directory):
+            old = now - info.st_mtime >= min_age_s
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == owner and old and is_ours(directory):
                 candidates.append(directory)
     if not candidates:
         return 0, 0

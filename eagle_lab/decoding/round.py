@@ -14,8 +14,8 @@ from typing import Protocol
 
 import torch
 
-from eagle_lab.decoding.scoring import Scored, Scorer
 from eagle_lab.decoding.sampling import DraftSampling, SamplingParams
+from eagle_lab.decoding.scoring import Scored, Scorer
 from eagle_lab.decoding.tree import DraftTree
 from eagle_lab.decoding.verify import verify
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
 from eagle_lab.decoding.cache import keep_accepted, truncate
 from eagle_lab.models.target import Target
 

@@ -20,7 +20,6 @@ from transformers import StaticCache
 
 from eagle_lab.decoding.cache import move_row_entries
 from eagle_lab.models.masks import cache_config
-from eagle_lab.errors import EagleLabError
 
 EAGER_BLOCK = 16  # positions an eager forward's attended length is rounded to (views of that length are kept)
 
@@ -141,7 +140,8 @@ class StaticKVCache:
                 if self.device.type == "cuda":
                     torch._dynamo.mark_static_address(layer.keys)
                     torch._dynamo.mark_static_address(layer.values)
-            stacked = None if self._stacked is None else tuple(t[:, start:start + rows, :, :length] for t in self._stacked)
+            stacked = None if self._stacked is None else tuple(t[:, start:start + rows, :, :length]
+                                                               for t in self._stacked)
             self._views[key] = StaticKVCache(self.config, length, self.device, self.dtype, rows, hf_cache=hf_view,
                                              stacked=stacked)
         return self._views[key]

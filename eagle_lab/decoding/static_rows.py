@@ -30,10 +30,11 @@ import torch
 
 from eagle_lab.decoding.scoring import Scored
 from eagle_lab.decoding.static_cache import StaticKVCache
+from eagle_lab.decoding.tree import DraftTree
+from eagle_lab.errors import EagleLabError
 from eagle_lab.models.masks import causal_mask
 from eagle_lab.models.target import Target
-from eagle_lab.errors import EagleLabError
-from eagle_lab.decoding.tree import DraftTree
+
 
 class StepBackend(Protocol):
     """What the rows need of eagle_lab.decoding.backend.StaticBackend: its target, cache sizing, and the eager
@@ -132,7 +133,8 @@ class StaticRows:
 
     @torch.no_grad()
     def prefill(self, row: Row, prompt_ids: torch.Tensor, layer_ids: tuple[int, ...] = ()):
-        """prompt_ids: [T] into this row alone, eagerly (prompt lengths vary) -> hidden [T, H], layers [T, F] or None."""
+        """prompt_ids: [T] into this row alone, eagerly (prompt lengths vary)
+        -> hidden [T, H], layers [T, F] or None."""
         count = prompt_ids.numel()
         if count > self.context:
             raise EagleLabError(f"the prompt has {count} tokens, more than a sequence may hold here ({self.context})")

@@ -60,7 +60,6 @@ import torch
 from eagle_lab.decoding.sampling import SamplingParams, draw, greedy_token, target_probs
 from eagle_lab.decoding.tree import DraftTree
 
-
 NodeLogits = Callable[[int], torch.Tensor]  # node index -> [V] target logits at that node
 # A verification walk as a generator: it yields the node whose target logits it needs next, is
 # sent those logits [V], and returns (accepted node indices [L + 1], bonus token id). The greedy

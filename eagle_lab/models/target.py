@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from eagle_lab.errors import EagleLabError
 from eagle_lab.models.attention import use_cpu_attention
 from eagle_lab.models.device import integer_dot_products, resolve_device, resolve_dtype
 from eagle_lab.models.embedded import embedded_dir, embedded_model
 from eagle_lab.models.masks import FULL, AttentionLayout, Mask, cache_config, tree_attention_mask
-from eagle_lab.errors import EagleLabError
 from eagle_lab.models.model_shape import ModelShape
 from eagle_lab.models.stable_linear import StableLinear, convert_linears
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer

@@ -24,8 +24,8 @@ from eagle_lab.decoding.compiled import call_known_graph, doubling_lengths, rais
 from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache
 from eagle_lab.drafters.eagle.head_step import STEP_SOURCES, BoundHeadStep, HeadStep
-from eagle_lab.models.native import op_schemas
 from eagle_lab.models.masks import additive_mask
+from eagle_lab.models.native import op_schemas
 
 log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 4, 16)  # rows per compiled head step; more rows (a prompt's first commit) run 16 at a time
