@@ -20,6 +20,7 @@ from eagle_lab.models.attention import use_cpu_attention
 from eagle_lab.models.device import integer_dot_products, resolve_device, resolve_dtype
 from eagle_lab.models.embedded import smollm2_dir
 from eagle_lab.errors import EagleLabError
+from eagle_lab.models.gguf_weights import FILE_WEIGHTS, file_layers, is_gguf_path, load_gguf
 from eagle_lab.models.model_shape import ModelShape
 from eagle_lab.models.stable_linear import StableLinear, convert_linears
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
@@ -32,7 +33,7 @@ SOURCES = ("embedded", "pretrained", "tiny")
 class TargetConfig:
     name: str = "smollm2_135m"
     source: str = "embedded"  # embedded | pretrained | tiny
-    path: str = ""  # pretrained: a local directory or a hub id
+    path: str = ""  # pretrained: a local directory, a hub id, or a GGUF file (eagle_lab/models/gguf_weights.py)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     device: str = "auto"
     dtype: str = "auto"
@@ -40,7 +41,8 @@ class TargetConfig:
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     # the linear weights on CPU (eagle_lab/models/stable_linear.py): fp32 | bf16 | int8 (GGUF Q8_0) | int4 (GGUF
-    # Q4_1, LM head Q8_0) | auto: the precision the weights ship in (int4 for the embedded GGUF, else fp32)
+    # Q4_1, LM head Q8_0) | gguf, gguf_a8: each layer at its GGUF file's type | auto: the precision the weights
+    # ship in (the embedded GGUF's int4, a GGUF file's own types, else fp32)
     weights: str = "auto"
 
 
@@ -198,7 +200,10 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
     weights = "fp32" if trainable_layers else shipped_weights(cfg)
     if trainable_layers and cfg.weights not in ("auto", "fp32"):
         raise EagleLabError(f"training reads the target's float weights; target.weights={cfg.weights} is for decoding")
-    replaced = 0 if trainable_layers else convert_linears(model, weights)
+    if weights in FILE_WEIGHTS and not (cfg.source == "pretrained" and is_gguf_path(cfg.path)):
+        raise EagleLabError(f"target.weights={weights} keeps a GGUF file's own types: give target.path=FILE.gguf")
+    layers = file_layers(model, cfg.path, weights) if weights in FILE_WEIGHTS else None
+    replaced = 0 if trainable_layers else convert_linears(model, weights, layers)
     if replaced:
         log.info("target weights: %d linear layers in %s through eagle_lab's row-stable CPU kernel", replaced, weights)
     log.info("target %s: %s, %d layers, hidden %d, vocab %d on %s/%s", cfg.name, model.config.model_type,
@@ -211,20 +216,26 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
 
 
 def shipped_weights(cfg: TargetConfig) -> str:
-    """target.weights with `auto` resolved. The embedded target on CPU runs at its GGUF's precision (Q4_1 with a
-    Q8_0 LM head): w4a8 where the CPU has integer dot products (AVX512-VNNI or AVX2: int8 activations, as
-    llama.cpp computes that file; the fastest lossless choice at every row count on both, docs/benchmarks.md),
-    else int4 (the same weights over float32 activations, bitwise the numbers fp32 holds). Other targets: fp32."""
+    """target.weights with `auto` resolved. A GGUF target on CPU runs at its file's precision: the embedded one
+    (Q4_1 with a Q8_0 LM head) as w4a8, any other file's layers at their own types as gguf_a8, where the CPU has
+    integer dot products (AVX512-VNNI or AVX2: int8 activations, as llama.cpp computes such files; the fastest
+    lossless choice at every row count on both, docs/benchmarks.md), else as int4 and gguf (the same weights
+    over float32 activations, bitwise the numbers the file holds). Other targets: fp32."""
     if cfg.weights != "auto":
         return cfg.weights
     device = resolve_device(cfg.device)
     on_cpu = device.type == "cpu" and resolve_dtype(cfg.dtype, device) == torch.float32
-    if cfg.source != "embedded" or not on_cpu:
-        return "fp32"
-    return "w4a8" if integer_dot_products() else "int4"
+    int8_activations = integer_dot_products()
+    if on_cpu and cfg.source == "embedded":
+        return "w4a8" if int8_activations else "int4"
+    if on_cpu and cfg.source == "pretrained" and is_gguf_path(cfg.path):
+        return "gguf_a8" if int8_activations else "gguf"
+    return "fp32"
 
 
 def _load_pretrained(path: str, dtype: torch.dtype, cfg: TargetConfig):
+    if is_gguf_path(path):
+        return load_gguf(path, dtype, cfg.attn_implementation)
     local = Path(path).expanduser()
     if (path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
         raise EagleLabError(f"target path '{path}' is not a model directory (no config.json there)")
