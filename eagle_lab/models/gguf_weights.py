@@ -105,17 +105,23 @@ def _storage(tensor, kind: str, weight: torch.Tensor, weights: str, heads: set[i
         return FLOAT_STORAGE[kind], None
     if kind not in STORAGE[weights]:
         return "f32", None
-    groups = _blocks(tensor, kind)
-    values = groups[0].float() * groups[1][..., None]  # [N, K/32, 32]
-    if len(groups) == 3:
-        values = values + groups[2][..., None]
-    values = values.flatten(1)  # [N, K]
+    groups = _blocks(tensor, kind)  # rows in the file's order
+    first = _values(tuple(part[:, :1] for part in groups))  # [N, 32]: each row's first block, to try orders cheaply
     for order in _row_orders(weight.shape[0], heads):
-        if torch.equal(values[order], weight):
-            q = groups[0].flatten(1)[order]  # [N, K]
-            return STORAGE[weights][kind], (q, *(part[order] for part in groups[1:]))
+        if torch.equal(first[order], weight[:, :first.shape[1]]):
+            ordered = tuple(part[order] for part in groups)
+            if torch.equal(_values(ordered), weight):
+                return STORAGE[weights][kind], (ordered[0].flatten(1), *ordered[1:])  # q [N, K], scale [N, K/32]...
     log.warning("GGUF tensor %s: its blocks match no row order of the loaded weight; it runs as f32", tensor.name)
     return "f32", None
+
+
+def _values(groups: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """(q [N, G, 32], scale [N, G][, minimum [N, G]]) -> the weight they hold [N, G * 32] float32."""
+    values = groups[0].float() * groups[1][..., None]
+    if len(groups) == 3:
+        values = values + groups[2][..., None]
+    return values.flatten(1)
 
 
 def _row_orders(rows: int, heads: set[int]):
