@@ -59,7 +59,8 @@ def encode(weight: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarra
     n, k = weight.shape
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)  # [N, K/256, block bytes]
     for offset, scale in CRAFTED[kind]:
-        raw[..., offset:offset + 2] = (rng.uniform(0.5, 1, (n, k // block, 1)) * scale).astype(np.float16).view(np.uint8)
+        scales = rng.uniform(0.5, 1, (n, k // block, 1)) * scale  # [N, K/256, 1]
+        raw[..., offset:offset + 2] = scales.astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -90,7 +91,8 @@ def write_gguf(path, kinds, tied=False, architecture="llama"):
             continue
         weight = value.numpy()
         if name.endswith("attn_q") or name.endswith("attn_k"):
-            weight = interleave(weight, config.num_attention_heads if name.endswith("q") else config.num_key_value_heads)
+            heads = config.num_attention_heads if name.endswith("q") else config.num_key_value_heads
+            weight = interleave(weight, heads)
         if weight.ndim == 1:
             writer.add_tensor(f"{name}.weight", weight)
             continue
