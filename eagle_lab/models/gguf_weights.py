@@ -76,9 +76,9 @@ def file_layers(model: nn.Module, path: str, weights: str) -> dict[nn.Linear, tu
     for module_name, linear in model.named_modules():
         if type(linear) is not nn.Linear:
             continue
-        tensor = tensors.get(f"{names.get_name(module_name)}.weight")
-        if tensor is None and linear.weight is embedding.weight:  # an LM head tied to the token embedding
-            tensor = tensors.get(f"{names.get_name(embedding_name)}.weight")
+        if linear.weight is embedding.weight:  # an LM head tied to the token embedding
+            module_name = embedding_name
+        tensor = tensors.get(f"{names.get_name(module_name) or module_name}.weight")
         kind = "no tensor" if tensor is None else tensor.tensor_type.name
         layers[linear] = _storage(tensor, kind, linear.weight.detach(), weights, heads)
         exact = layers[linear][1] is not None or kind in FLOAT_STORAGE

@@ -183,6 +183,8 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
     training, which copies target layers into heads and captures features in its own dtype."""
     if cfg.source not in SOURCES:
         raise EagleLabError(f"unknown target source '{cfg.source}' (choose from {', '.join(SOURCES)})")
+    if cfg.weights in FILE_WEIGHTS and not (cfg.source == "pretrained" and is_gguf_path(cfg.path)):
+        raise EagleLabError(f"target.weights={cfg.weights} keeps a GGUF file's own types: give target.path=FILE.gguf")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.source == "tiny":
@@ -200,8 +202,6 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
     weights = "fp32" if trainable_layers else shipped_weights(cfg)
     if trainable_layers and cfg.weights not in ("auto", "fp32"):
         raise EagleLabError(f"training reads the target's float weights; target.weights={cfg.weights} is for decoding")
-    if weights in FILE_WEIGHTS and not (cfg.source == "pretrained" and is_gguf_path(cfg.path)):
-        raise EagleLabError(f"target.weights={weights} keeps a GGUF file's own types: give target.path=FILE.gguf")
     layers = file_layers(model, cfg.path, weights) if weights in FILE_WEIGHTS else None
     replaced = 0 if trainable_layers else convert_linears(model, weights, layers)
     if replaced:
