@@ -6,6 +6,7 @@ greedy speculative decoding of the loaded target is token for token its plain de
 
 import importlib.util
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -65,9 +66,9 @@ def encode(weight: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarra
 
 
 def write_gguf(path, kinds, tied=False, architecture="llama"):
-    """A tiny random llama as llama.cpp would write it, with the byte tokenizer; kinds(gguf_name) -> GGUF type of
-    each 2-D tensor. tied: no output.weight (the LM head is the token embedding)."""
-    model = build_tiny_model(TINY)
+    """A tiny random llama (or qwen2, with q/k/v biases) as llama.cpp would write it, with the byte tokenizer;
+    kinds(gguf_name) -> GGUF type of each 2-D tensor. tied: no output.weight (the LM head is the token embedding)."""
+    model = build_tiny_model(replace(TINY, family="qwen2" if architecture == "qwen2" else "llama"))
     config, tokenizer, rng = model.config, byte_tokenizer(), np.random.default_rng(0)
     writer = GGUFWriter(str(path), architecture)
     writer.add_name("tiny")
@@ -86,15 +87,16 @@ def write_gguf(path, kinds, tied=False, architecture="llama"):
     writer.add_token_scores([0.0] * len(vocab))
     writer.add_eos_token_id(tokenizer.eos_token_id)
     for key, value in model.state_dict().items():
-        name = gguf_name(key.rsplit(".", 1)[0])
+        base, suffix = key.rsplit(".", 1)
+        name = gguf_name(base)
         if tied and name == "output":
             continue
         weight = value.numpy()
-        if name.endswith("attn_q") or name.endswith("attn_k"):
+        if architecture == "llama" and (name.endswith("attn_q") or name.endswith("attn_k")):
             heads = config.num_attention_heads if name.endswith("q") else config.num_key_value_heads
             weight = interleave(weight, heads)
         if weight.ndim == 1:
-            writer.add_tensor(f"{name}.weight", weight)
+            writer.add_tensor(f"{name}.{suffix}", weight)
             continue
         kind = kinds(name)
         writer.add_tensor(f"{name}.weight", encode(weight, kind, rng),
@@ -106,9 +108,10 @@ def write_gguf(path, kinds, tied=False, architecture="llama"):
     return path
 
 
-def file_weights(path) -> dict[str, torch.Tensor]:
-    """Each 2-D tensor of the file as `gguf.quants.dequantize` reads it, q/k rows in the model's order [N, K]."""
-    heads = {"attn_q": TINY.num_heads, "attn_k": TINY.num_kv_heads}
+def file_weights(path, interleaved=True) -> dict[str, torch.Tensor]:
+    """Each 2-D tensor of the file as `gguf.quants.dequantize` reads it, q/k rows in the model's order [N, K]
+    (interleaved: as llama.cpp stores a llama's)."""
+    heads = {"attn_q": TINY.num_heads, "attn_k": TINY.num_kv_heads} if interleaved else {}
     weights = {}
     for tensor in GGUFReader(str(path)).tensors:
         if len(tensor.shape) != 2:
@@ -223,6 +226,24 @@ def test_mixed_types_per_layer_and_a_tied_head(tmp_path, tied, caplog):
         assert storage(layer) == STORAGE.get(kind, ("f32", "f32"))[1], name
     prompt = torch.tensor(target.tokenizer.encode("Mixed types, one kernel."))
     plain, oracle, eagle = decode_all(target, prompt, tokens=24)
+    assert oracle == plain and eagle == plain
+
+
+def test_a_qwen2_file_keeps_its_biases_and_row_order(tmp_path):
+    """qwen2: q, k and v carry biases, and llama.cpp stores the rows as they are (no interleave to undo)."""
+    path = write_gguf(tmp_path / "qwen2.gguf", lambda name: "Q4_0", architecture="qwen2")
+    target = load(path, "gguf")
+    assert target.config.model_type == "qwen2"
+    reference = file_weights(path, interleaved=False)
+    for name, layer in linears(target):
+        assert torch.equal(layer.dequantized(), reference[name]), name
+    bias = build_tiny_model(replace(TINY, family="qwen2")).get_submodule("model.layers.0.self_attn.k_proj").bias
+    x = torch.randn(4, TINY.hidden_size)
+    expected = x @ reference["blk.0.attn_k"].t() + bias.detach()  # [4, N]
+    out = target.model.get_submodule("model.layers.0.self_attn.k_proj")(x)
+    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max()
+    prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(5))
+    plain, oracle, eagle = decode_all(target, prompt, tokens=16)
     assert oracle == plain and eagle == plain
 
 
