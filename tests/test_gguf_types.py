@@ -126,10 +126,8 @@ def file_weights(path, interleaved=True) -> dict[str, torch.Tensor]:
 def linears(target):
     """(gguf name, layer) for every linear layer of a loaded llama target, the LM head last."""
     for name, module in target.model.named_modules():
-        if isinstance(module, (ProjectionPart, StableLinear)) and not isinstance(module, FusedProjections):
-            if name.endswith(".linear"):
-                continue  # a FusedProjections' own layer: its parts are checked
-            yield gguf_name(name), module
+        if isinstance(module, (ProjectionPart, StableLinear)) and not name.endswith(".linear"):  # not a fused one:
+            yield gguf_name(name), module  # its parts are checked
 
 
 def storage(layer) -> str:
