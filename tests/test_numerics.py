@@ -27,7 +27,7 @@ def test_a_changed_tail_is_caught(tiny_llama, monkeypatch):
     assert noise.max_abs_dlogit > 1e-3
 
 
-@pytest.mark.parametrize("argv", [["dtype"], ["rows=3"], ["dtype=float7"]])
+@pytest.mark.parametrize("argv", [["dtype"], ["rows=3"], ["dtype=float7"], ["path=/nonexistent/model.gguf"]])
 def test_bad_arguments_end_in_one_message(argv):
     with pytest.raises(SystemExit) as err:
         main(argv)

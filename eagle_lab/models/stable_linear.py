@@ -83,7 +83,9 @@ class StableLinear(nn.Module):
     """y = x @ W.T + bias through eagle_lab's row-stable kernel, W stored in one of the FORMATS' layouts.
     Its buffers are the panels the kernel reads, so compiled packages bind them like any weight."""
 
-    def __init__(self, linear: nn.Linear, storage: str, keep_weight: bool = False):
+    def __init__(self, linear: nn.Linear, storage: str, keep_weight: bool = False, groups: tuple | None = None):
+        """groups: a quantized storage's groups as a file holds them (eagle_lab/models/gguf_weights.py), (q, scale)
+        for q8_0 and q8_0x8, (q, scale, minimum) for q4_1 and q4_1x8, instead of fitting them to the weight."""
         super().__init__()
         load_kernels()
         weight = linear.weight.detach()  # [N, K]
@@ -96,23 +98,23 @@ class StableLinear(nn.Module):
         elif storage == "bf16":
             self.register_buffer("panels", _to_panels(weight.to(torch.bfloat16)))
         elif storage == "q8_0":
-            q, scale = fit_q8_0(weight)
+            q, scale = groups or fit_q8_0(weight)
             self.register_buffer("q", _to_panels(q))  # [P, K, 16] int8
             self.register_buffer("scales", _to_panels(scale))  # [P, K/32, 16]
         elif storage == "q4_1":
-            q, scale, minimum = fit_q4_1(weight)
+            q, scale, minimum = groups or fit_q4_1(weight)
             pairs = q.view(q.shape[0], -1, 2)  # [N, K/2, 2]: k = 2j and 2j + 1 share a byte
             self.register_buffer("nibbles", _to_panels(pairs[..., 0] | (pairs[..., 1] << 4)))  # [P, K/2, 16]
             self.register_buffer("scales", _to_panels(scale))
             self.register_buffer("minimums", _to_panels(minimum))
         elif storage == "q8_0x8":
-            q, scale = fit_q8_0(weight)
+            q, scale = groups or fit_q8_0(weight)
             self.register_buffer("q", _to_byte_panels(q.view(q.shape[0], -1, 4)))  # [P, K/4, 64] int8
             self.register_buffer("scales", _to_panels(scale.half()))  # [P, K/32, 16] (exact: fitted in float16)
             sums = q.view(q.shape[0], -1, GROUP).sum(-1, dtype=torch.int32)  # [N, K/32], |sum| <= 32 * 127
             self.register_buffer("sums", _to_panels(sums.to(torch.int16)))  # [P, K/32, 16]
         elif storage == "q4_1x8":
-            q, scale, minimum = fit_q4_1(weight)
+            q, scale, minimum = groups or fit_q4_1(weight)
             halves = q.view(q.shape[0], -1, 2, 4)  # [N, K/8, 2, 4]: k = 8t + 4h + b
             self.register_buffer("nibbles", _to_byte_panels(halves[:, :, 0] | (halves[:, :, 1] << 4)))  # [P, K/8, 64]
             self.register_buffer("scales", _to_panels(scale.half()))  # float16, exact
@@ -157,11 +159,13 @@ def kernels_available() -> tuple[bool, str]:
     return True, ""
 
 
-def convert_linears(model: nn.Module, weights: str) -> int:
+def convert_linears(model: nn.Module, weights: str, layers: dict | None = None) -> int:
     """Every nn.Linear of a CPU float32 causal LM (decoder layers and LM head) becomes a StableLinear storing
     `weights`, in place; returns how many. fp32 falls back to the library's linear, with one log line, where
-    the kernel cannot be built here; the other precisions need it."""
-    if weights not in WEIGHTS:
+    the kernel cannot be built here; the other precisions need it.
+    layers: each nn.Linear's (storage, groups or None) as a GGUF file holds it (eagle_lab/models/gguf_weights.py),
+    `weights` then only names the choice; without it every layer is fitted to FORMATS[weights]."""
+    if layers is None and weights not in WEIGHTS:
         raise EagleLabError(f"target.weights must be one of {', '.join(WEIGHTS)}, got '{weights}'")
     parameter = next(model.parameters())
     if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
@@ -176,13 +180,22 @@ def convert_linears(model: nn.Module, weights: str) -> int:
         log.warning("eagle_lab's CPU kernels are unavailable (%s); the target runs on torch's own linear layers, "
                     "where a few-token forward costs up to 2x a one-token one", why)
         return 0
-    decoder_format, head_format = FORMATS[weights]
     lm_head = model.get_output_embeddings()
-    replaced = fuse_projections(model, decoder_format) + convert_module_linears(model, decoder_format, skip=lm_head)
+    if layers is None:
+        decoder_format, head_format = FORMATS[weights]
+        layers = {m: (head_format if m is lm_head else decoder_format, None) for m in model.modules()
+                  if type(m) is nn.Linear}
+    replaced = fuse_projections(model, layers) + convert_module_linears(model, layers, skip=lm_head)
     parent_name, _, attr = next(name for name, module in model.named_modules() if module is lm_head).rpartition(".")
+    head_storage, head_groups = layers[lm_head]
     setattr(model.get_submodule(parent_name) if parent_name else model, attr,
-            StableLinear(lm_head, head_format, keep_weight=True))
+            StableLinear(lm_head, head_storage, keep_weight=True, groups=head_groups))
     return replaced + 1
+
+
+def _layer_choice(storage: str | dict, linear: nn.Linear) -> tuple[str, tuple | None]:
+    """(storage, groups or None) for one layer: a storage name for all, or a convert_linears `layers` dict."""
+    return (storage, None) if isinstance(storage, str) else storage[linear]
 
 
 # projections of one input that a decoder layer computes side by side (Llama, Qwen2, Mistral and kin)
@@ -201,7 +214,7 @@ class FusedProjections(nn.Module):
     called with an input runs the fused layer and keeps the other parts' slices until each has been taken
     once, so no slice outlives the forward that computed it."""
 
-    def __init__(self, linears: list[nn.Linear], storage: str):
+    def __init__(self, linears: list[nn.Linear], storage: str, groups: list[tuple] | None = None):
         super().__init__()
         self.widths = [linear.out_features for linear in linears]
         fused = nn.Linear(linears[0].in_features, sum(self.widths), bias=linears[0].bias is not None)
@@ -209,7 +222,8 @@ class FusedProjections(nn.Module):
             fused.weight.copy_(torch.cat([linear.weight.detach() for linear in linears]))  # [sum N, K]
             if fused.bias is not None:
                 fused.bias.copy_(torch.cat([linear.bias.detach() for linear in linears]))
-        self.linear = StableLinear(fused, storage)
+        stacked = None if groups is None else tuple(torch.cat(parts) for parts in zip(*groups))  # rows stacked
+        self.linear = StableLinear(fused, storage, groups=stacked)
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] = ()
         self._waiting: set[int] = set()
@@ -253,9 +267,10 @@ class ProjectionPart(nn.Module):
         return f"part {self.index} of a fused layer, out_features={self.out_features}"
 
 
-def fuse_projections(module: nn.Module, storage: str) -> int:
+def fuse_projections(module: nn.Module, storage: str | dict) -> int:
     """Every group of FUSIBLE sibling nn.Linear layers inside `module` (same input width, all with a bias or all
-    without) becomes one FusedProjections, in place; returns how many layers it replaced."""
+    without, one storage) becomes one FusedProjections, in place; returns how many layers it replaced.
+    storage: one name for all, or each layer's (storage, groups or None) (convert_linears' `layers`)."""
     replaced = 0
     for parent in list(module.modules()):
         for names in FUSIBLE:
@@ -264,24 +279,30 @@ def fuse_projections(module: nn.Module, storage: str) -> int:
                 continue
             if len({(linear.in_features, linear.bias is not None) for linear in linears}) != 1:
                 continue
-            fused = FusedProjections(linears, storage)
+            choices = [_layer_choice(storage, linear) for linear in linears]
+            if len({(kind, groups is None) for kind, groups in choices}) != 1:
+                continue  # a file's layers of different types stay apart
+            groups = None if choices[0][1] is None else [groups for _, groups in choices]
+            fused = FusedProjections(linears, choices[0][0], groups)
             for index, name in enumerate(names):
                 setattr(parent, name, ProjectionPart(fused, index))
             replaced += len(names)
     return replaced
 
 
-def convert_module_linears(module: nn.Module, storage: str, keep_weight: bool = False,
+def convert_module_linears(module: nn.Module, storage: str | dict, keep_weight: bool = False,
                            skip: nn.Module | None = None) -> int:
-    """Every nn.Linear inside `module` (but `skip`) becomes a StableLinear storing `storage`, in place; returns how
-    many. keep_weight: the layers keep their float weights too (for code that reads them)."""
+    """Every nn.Linear inside `module` (but `skip`) becomes a StableLinear storing `storage` (one name, or each
+    layer's (storage, groups or None)), in place; returns how many. keep_weight: the layers keep their float
+    weights too (for code that reads them)."""
     replaced = 0
     for name, child in list(module.named_modules()):
         if type(child) is not nn.Linear or child is skip:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, StableLinear(child, storage, keep_weight=keep_weight))
+        kind, groups = _layer_choice(storage, child)
+        setattr(parent, attr, StableLinear(child, kind, keep_weight=keep_weight, groups=groups))
         replaced += 1
     return replaced
 

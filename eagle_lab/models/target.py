@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.attention import use_cpu_attention
 from eagle_lab.models.device import integer_dot_products, resolve_device, resolve_dtype
-from eagle_lab.models.embedded import embedded_dir, embedded_model
+from eagle_lab.models.embedded import embedded_dir, embedded_model, gguf_path
+from eagle_lab.models.gguf_weights import FILE_WEIGHTS, file_layers, is_gguf_path, load_gguf
 from eagle_lab.models.masks import FULL, AttentionLayout, Mask, cache_config, tree_attention_mask
 from eagle_lab.models.model_shape import ModelShape
 from eagle_lab.models.stable_linear import StableLinear, convert_linears
@@ -33,7 +34,7 @@ SOURCES = ("embedded", "pretrained", "tiny")
 class TargetConfig:
     name: str = "smollm2_135m"
     source: str = "embedded"  # embedded | pretrained | tiny
-    path: str = ""  # pretrained: a local directory or a hub id
+    path: str = ""  # pretrained: a local directory, a hub id, or a GGUF file (eagle_lab/models/gguf_weights.py)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     device: str = "auto"
     dtype: str = "auto"
@@ -41,7 +42,8 @@ class TargetConfig:
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     # the linear weights on CPU (eagle_lab/models/stable_linear.py): fp32 | bf16 | int8 (GGUF Q8_0) | int4 (GGUF
-    # Q4_1, LM head Q8_0) | auto: the precision the weights ship in (int4 for the embedded GGUF, else fp32)
+    # Q4_1, LM head Q8_0) | gguf, gguf_a8: each layer at its GGUF file's type | auto: the precision the weights
+    # ship in (the embedded GGUF's int4, a GGUF file's own types, else fp32)
     weights: str = "auto"
     chat: bool = True  # replies to chat turns (its chat template); false: a base model continuing raw text
 
@@ -161,6 +163,8 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
     training, which copies target layers into heads and captures features in its own dtype."""
     if cfg.source not in SOURCES:
         raise EagleLabError(f"unknown target source '{cfg.source}' (choose from {', '.join(SOURCES)})")
+    if cfg.weights in FILE_WEIGHTS and not _typed_gguf(cfg):
+        raise EagleLabError(f"target.weights={cfg.weights} keeps a GGUF file's own types: give target.path=FILE.gguf")
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.source == "tiny":
@@ -178,7 +182,8 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
     weights = "fp32" if trainable_layers else shipped_weights(cfg)
     if trainable_layers and cfg.weights not in ("auto", "fp32"):
         raise EagleLabError(f"training reads the target's float weights; target.weights={cfg.weights} is for decoding")
-    replaced = 0 if trainable_layers else convert_linears(model, weights)
+    layers = file_layers(model, str(_typed_gguf(cfg)), weights) if weights in FILE_WEIGHTS else None
+    replaced = 0 if trainable_layers else convert_linears(model, weights, layers)
     if replaced:
         log.info("target weights: %d linear layers in %s through eagle_lab's row-stable CPU kernel", replaced, weights)
     log.info("target %s: %s, %d layers, hidden %d, vocab %d on %s/%s", cfg.name, model.config.model_type,
@@ -190,22 +195,38 @@ def load_target(cfg: TargetConfig, trainable_layers: bool = False) -> Target:
     return Target(model, tokenizer, cfg.name, cfg.max_context, weights)
 
 
+def _typed_gguf(cfg: TargetConfig) -> Path | None:
+    """The GGUF file whose tensor types a target's layers can keep (target.weights=gguf|gguf_a8), if any: its
+    target.path, or an embedded model's file (SmolLM2's Q4_1 has its own storages, int4 and w4a8)."""
+    if cfg.source == "pretrained" and is_gguf_path(cfg.path):
+        return Path(cfg.path).expanduser()
+    if cfg.source == "embedded" and embedded_model(cfg.name).weights == "gguf":
+        return gguf_path(cfg.name)
+    return None
+
+
 def shipped_weights(cfg: TargetConfig) -> str:
-    """target.weights with `auto` resolved. The embedded SmolLM2 on CPU runs at its GGUF's precision (Q4_1 with a
-    Q8_0 LM head): w4a8 where the CPU has integer dot products (AVX512-VNNI or AVX2: int8 activations, as
-    llama.cpp computes that file; the fastest lossless choice at every row count on both, docs/benchmarks.md),
-    else int4 (the same weights over float32 activations, bitwise the numbers fp32 holds). Other targets: fp32."""
+    """target.weights with `auto` resolved. A GGUF target on CPU runs at its file's precision: the embedded SmolLM2
+    (Q4_1 with a Q8_0 LM head) as w4a8, any other file's layers (Gemma 3 270M's included) at their own types as
+    gguf_a8, where the CPU has integer dot products (AVX512-VNNI or AVX2: int8 activations, as llama.cpp computes
+    such files; the fastest lossless choice at every row count on both, docs/benchmarks.md), else as int4 and gguf
+    (the same weights over float32 activations, bitwise the numbers the file holds). Other targets: fp32."""
     if cfg.weights != "auto":
         return cfg.weights
     device = resolve_device(cfg.device)
     on_cpu = device.type == "cpu" and resolve_dtype(cfg.dtype, device) == torch.float32
+    int8_activations = integer_dot_products()
     shipped = embedded_model(cfg.name).weights if cfg.source == "embedded" else "fp32"
-    if shipped == "fp32" or not on_cpu:
-        return "fp32"
-    return "w4a8" if integer_dot_products() else "int4"
+    if on_cpu and shipped == "int4":
+        return "w4a8" if int8_activations else "int4"
+    if on_cpu and _typed_gguf(cfg):
+        return "gguf_a8" if int8_activations else "gguf"
+    return "fp32"
 
 
 def _load_pretrained(path: str, dtype: torch.dtype, cfg: TargetConfig):
+    if is_gguf_path(path):
+        return load_gguf(path, dtype, cfg.attn_implementation)
     local = Path(path).expanduser()
     if (path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
         raise EagleLabError(f"target path '{path}' is not a model directory (no config.json there)")

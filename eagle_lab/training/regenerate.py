@@ -42,6 +42,7 @@ from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.embedded import cache_root
+from eagle_lab.models.gguf_weights import FILE_WEIGHTS
 from eagle_lab.models.stable_linear import WEIGHTS
 from eagle_lab.models.target import Target
 
@@ -75,9 +76,9 @@ class RegenerateConfig:
         if self.samples < 1 or (self.samples > 1 and self.temperature == 0):
             raise EagleLabError(f"data.regenerate.samples must be >= 1, and > 1 only with temperature > 0 (greedy "
                                 f"replies repeat), got samples={self.samples}, temperature={self.temperature}")
-        if self.weights and self.weights not in ("auto", *WEIGHTS):
+        if self.weights and self.weights not in ("auto", *WEIGHTS, *FILE_WEIGHTS):
             raise EagleLabError(f"data.regenerate.weights must be empty (the training target) or one of auto, "
-                                f"{', '.join(WEIGHTS)}, got '{self.weights}'")
+                                f"{', '.join(WEIGHTS + FILE_WEIGHTS)}, got '{self.weights}'")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise EagleLabError(f"data.regenerate needs temperature >= 0 and 0 < top_p <= 1, got "
                                 f"temperature={self.temperature}, top_p={self.top_p}")
