@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle_lab.errors import EagleLabError, key_values
-from eagle_lab.models.prompts import encode_prompt
+from eagle_lab.models.prompts import encode_prompt, has_chat_template
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.tree_search.auto import CALIBRATION_PROMPTS
 
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> None:
         extra = tuple(int(k) for k in args.get("extra", "3,15").split(","))
     except (EagleLabError, ValueError) as err:
         raise SystemExit(f"numerics: {err}") from None
-    chat = bool(getattr(target.tokenizer, "chat_template", None))  # a GGUF file may carry none
+    chat = has_chat_template(target.tokenizer)
     prompts = [encode_prompt(target.tokenizer, p, chat=chat) for p in CALIBRATION_PROMPTS[:count]]
     noise = measure_shape_noise(target, prompts, tokens, extra)
     print(f"| dtype | weights | positions | max abs dlogit (alone vs +{'/+'.join(map(str, extra))} rows) "

@@ -26,7 +26,7 @@ from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, v
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError, key_values
-from eagle_lab.models.prompts import encode_prompt
+from eagle_lab.models.prompts import encode_prompt, has_chat_template
 from eagle_lab.models.target import TargetConfig, load_target
 from eagle_lab.tree_search.auto import CALIBRATION_PROMPTS
 
@@ -57,7 +57,8 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"profile_round: {err}") from None
     backend = build_backend(target, args.get("compile", "true"), DecodingConfig())
     drafter = eagle_drafter(head, target, shape, None, backend)  # compiles with the target
-    prompt = torch.tensor(encode_prompt(target.tokenizer, CALIBRATION_PROMPTS[0], chat=True))
+    chat = has_chat_template(target.tokenizer)
+    prompt = torch.tensor(encode_prompt(target.tokenizer, CALIBRATION_PROMPTS[0], chat=chat))
 
     def plain():
         return generate(vanilla_decode(target, prompt, SamplingParams(), Stopper(target.tokenizer, tokens, set()),

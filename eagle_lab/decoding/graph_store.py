@@ -256,7 +256,7 @@ def _mark_used(path: Path) -> None:
 
 
 class LoadedPackage:
-    """A loaded package, called with tensors and nested lists or tuples of them as it was exported with.
+    """A loaded package, called with tensors and nested lists, tuples or dicts of them as it was exported with.
 
     The inputs are flattened here, depth first (the order export flattened them in), and handed to the
     package's runner; the generic call of a loaded package parses its input and output specs and walks the
@@ -274,11 +274,14 @@ class LoadedPackage:
 
 
 def _flatten_tensors(value, out: list) -> None:
-    """The tensors in `value` (a tensor, or lists and tuples of them), depth first, appended to `out`."""
+    """The tensors in `value` (a tensor, or lists, tuples and dicts of them), depth first, appended to `out`."""
     if isinstance(value, torch.Tensor):
         out.append(value)
     elif isinstance(value, (list, tuple)):
         for item in value:
+            _flatten_tensors(item, out)
+    elif isinstance(value, dict):  # a mask per layer type: values in insertion order, as pytree flattens a dict
+        for item in value.values():
             _flatten_tensors(item, out)
 
 

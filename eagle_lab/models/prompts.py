@@ -48,6 +48,11 @@ def _parse_row(row, where: str) -> list[dict] | str:
     raise EagleLabError(f"{where}: expected {{\"prompt\": str}} or {{\"messages\": [...]}}")
 
 
+def has_chat_template(tokenizer) -> bool:
+    """Whether prompts can go through the tokenizer's chat template (a base model's GGUF carries none)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def encode_prompt(tokenizer, prompt: list[dict] | str, chat: bool, system: str = "") -> list[int]:
     """Token ids [T] of the prompt, through the chat template unless chat=False."""
     if isinstance(prompt, str) and not prompt.strip():
@@ -55,7 +60,7 @@ def encode_prompt(tokenizer, prompt: list[dict] | str, chat: bool, system: str =
     if not chat:
         text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
         return tokenizer(text, add_special_tokens=True)["input_ids"]
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         raise EagleLabError("the target's tokenizer has no chat template; pass chat=false for raw text")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system and messages[0]["role"] != "system":

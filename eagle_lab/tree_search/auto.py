@@ -58,7 +58,7 @@ from eagle_lab.drafters.growth import TreeChoice, TreeShape
 from eagle_lab.drafters.ngram import NgramProposer
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.native import NATIVE, kernel_march
-from eagle_lab.models.prompts import encode_prompt
+from eagle_lab.models.prompts import encode_prompt, has_chat_template
 from eagle_lab.models.target import Target
 from eagle_lab.tree_search.costs import (
     K_GRID,
@@ -253,9 +253,10 @@ def cost_model(summary: dict) -> CostModel:
 
 
 def calibration_prompts(target: Target) -> list[list[int]]:
-    """The calibration prompts, each cut to half the target's context at most (room to decode after it)."""
-    keep = max(1, target.max_context // 2)
-    return [encode_prompt(target.tokenizer, p, chat=True)[:keep] for p in CALIBRATION_PROMPTS]
+    """The calibration prompts, each cut to half the target's context at most (room to decode after it); through
+    the chat template where the tokenizer has one."""
+    keep, chat = max(1, target.max_context // 2), has_chat_template(target.tokenizer)
+    return [encode_prompt(target.tokenizer, p, chat=chat)[:keep] for p in CALIBRATION_PROMPTS]
 
 
 CLOSE_CALL = 0.6  # a drafting row the model prices at this share of plain decoding or more is timed in the loop
