@@ -53,6 +53,16 @@ def test_loss_mask_byte_tokenizer_hand_checked():
     assert loss_mask == [0] * 26 + [1] * 4 + [0] * 30 + [1] * 11 + [0]
 
 
+def test_a_base_models_conversation_is_raw_text_with_the_replies_in_the_loss():
+    """A tokenizer without a chat template (a base model's): the turns as plain text, a blank line apart."""
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = None
+    input_ids, loss_mask = tokenize_conversation(tokenizer, TWO_TURNS, max_length=2048)
+    assert tokenizer.decode(input_ids) == "Say yes\n\nyes\n\nAgain: yes\n\nSure, yes."
+    assert masked_text(tokenizer, input_ids, loss_mask) == "yesSure, yes."
+    assert loss_mask == [0] * 9 + [1] * 3 + [0] * 14 + [1] * 10
+
+
 def test_loss_mask_truncates_and_keeps_system_unmasked():
     tokenizer = byte_tokenizer()
     messages = [{"role": "system", "content": "Be brief."}, *TWO_TURNS]

@@ -215,10 +215,14 @@ def tokenize_conversation(
 
     The mask is 1 on tokens overlapping an assistant content or the end-of-turn string right
     after it, found by character offsets in the rendered text; role headers, system and user
-    turns and template-inserted text (default system prompts) stay 0.
+    turns and template-inserted text (default system prompts) stay 0. A base model's tokenizer has
+    no chat template: its conversations are raw text (render_plain).
     """
-    if not getattr(tokenizer, "is_fast", False) or not tokenizer.chat_template:
-        raise EagleLabError("the target tokenizer must be a fast tokenizer with a chat template")
+    if not getattr(tokenizer, "is_fast", False):
+        raise EagleLabError("the target tokenizer must be a fast tokenizer")
+    if not tokenizer.chat_template:
+        text, spans = render_plain(tokenizer, messages)
+        return _tokenized(tokenizer, text, spans, max_length)
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     ends = [e for e in (tokenizer.eos_token, *END_OF_TURN) if e]
     spans, cursor = [], 0
@@ -241,6 +245,24 @@ def tokenize_conversation(
         end = after + len(closer) if closer else end
         spans.append((start, end))
         cursor = end
+    return _tokenized(tokenizer, text, spans, max_length)
+
+
+def render_plain(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """A conversation as a base model reads text: the turns' contents after the tokenizer's BOS, a blank line
+    between them -> (text, the assistant contents' character spans)."""
+    text, spans = tokenizer.bos_token or "", []
+    for index, message in enumerate(messages):
+        if index:
+            text += "\n\n"
+        if message["role"] == "assistant":
+            spans.append((len(text), len(text) + len(message["content"])))
+        text += message["content"]
+    return text, spans
+
+
+def _tokenized(tokenizer: Any, text: str, spans: list[tuple[int, int]], max_length: int) -> tuple[list[int], list[int]]:
+    """-> (input_ids [T], loss_mask [T]): 1 on tokens overlapping a span (sorted character ranges)."""
     # The backend tokenizer is what `tokenizer(text)` runs, minus a slow Python wrapper.
     encoding = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
     input_ids = encoding.ids[:max_length]
