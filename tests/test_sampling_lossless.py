@@ -194,10 +194,11 @@ def sampled_sequences(target, drafter, prompt, params, length: int, samples: int
     return counts, accepted_any
 
 
-def assert_noisy_drafts_keep_distribution(target, params: SamplingParams, backend=None) -> None:
+def assert_noisy_drafts_keep_distribution(target, params: SamplingParams, backend=None,
+                                          prompt: tuple[int, ...] = (1, 4, 2, 0)) -> None:
     """3,000 sampled 3-token continuations drafted by a noisy drafter (useful but imperfect, or the test would
     mean nothing) follow the target's exact sequence probabilities (chi-square)."""
-    prompt = torch.tensor([1, 4, 2, 0])
+    prompt = torch.tensor(prompt)
     length, samples = 3, 3000
     drafter = NoisyDrafter(target, depth=2, topk=2, noise=1.0, seed=5)
     counts, accepted_any = sampled_sequences(target, drafter, prompt, params, length, samples, seed=11, backend=backend)

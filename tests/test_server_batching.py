@@ -128,16 +128,20 @@ def test_seeded_sampling_batched_equals_alone(tiny_llama, kinds):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batched_drafting,sampled_drafts", [(False, True), (False, False), (True, False)],
-                         ids=["sampled-drafts", "top-k-drafting-alone", "top-k-drafting-batched"])
-def test_sampling_at_batch_four_keeps_the_target_distribution(batched_drafting, sampled_drafts):
+@pytest.mark.parametrize("batched_drafting,sampled_drafts,family,window",
+                         [(False, True, "llama", 0), (False, False, "llama", 0), (True, False, "llama", 0),
+                          (False, True, "gemma3", 2)],
+                         ids=["sampled-drafts", "top-k-drafting-alone", "top-k-drafting-batched",
+                              "sampled-drafts-gemma3-window2"])
+def test_sampling_at_batch_four_keeps_the_target_distribution(batched_drafting, sampled_drafts, family, window):
     """Four sequences per forward (two prompts of different lengths, each row its own seed),
     every row's 3-token sample tallied per prompt: both must follow the target's exact
     sequence distribution (the chi-square test of test_sampling_lossless, whose negative
     controls show it rejects a wrong acceptance rule). Drafting per sequence, or batched
     (eagle_lab/serving/batch_draft.py, as the server drafts top-k trees at batch >= 2); trees drawn from the
-    head's distribution are drafted per sequence."""
-    target = small_vocab_target()
+    head's distribution are drafted per sequence. Also a Gemma 3 target whose sliding layers see 2 tokens (the
+    longer prompt's 10 positions are 5 windows)."""
+    target = small_vocab_target(family=family, sliding_window=window)
     params = SamplingParams(temperature=0.9)
     prompts = [torch.tensor([1, 4, 2, 0]), torch.tensor([3, 1, 4, 2, 0, 1, 3])]
     prototype = EagleDrafter(new_head(target, seed=4), target, TreeShape(depth=2, topk=2, total_tokens=4),

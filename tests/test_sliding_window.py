@@ -128,12 +128,17 @@ def test_server_rows_at_batch_four_equal_each_sequence_alone(windowed, kinds):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
 def test_sampling_keeps_the_target_distribution_with_a_window(family):
-    """Window 2 over 7-token sequences: the chi-square test of test_sampling_lossless, eager and static."""
+    """Window 2 over 9-token sequences: the chi-square test of test_sampling_lossless, eager, static and (Gemma 3's
+    mask per layer type) compiled."""
     target = small_vocab_target(family=family, sliding_window=2)
     assert target.layout.window == 2
-    assert_noisy_drafts_keep_distribution(target, SamplingParams(temperature=1.0))
-    assert_noisy_drafts_keep_distribution(target, SamplingParams(temperature=0.8),
-                                          StaticBackend(target, [4, 8], 64))
+    prompt = (1, 4, 2, 0, 3, 1)
+    assert_noisy_drafts_keep_distribution(target, SamplingParams(temperature=1.0), prompt=prompt)
+    assert_noisy_drafts_keep_distribution(target, SamplingParams(temperature=0.8), StaticBackend(target, [4, 8], 64),
+                                          prompt=prompt)
+    if family == "gemma3":
+        compiled = StaticBackend(target, [4, 8], 64, compiled=True)
+        assert_noisy_drafts_keep_distribution(target, SamplingParams(temperature=1.0), compiled, prompt=prompt)
 
 
 @pytest.mark.slow
