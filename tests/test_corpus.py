@@ -178,42 +178,6 @@ def test_card_command_leaves_out_run_control_overrides():
     assert reproducing_command("train.py", []) == "python train.py"
 
 
-def test_scaling_report_tables_and_plots_runs_by_tokens(tmp_path, capsys):
-    from eagle_lab.drafters.card import HeadCard, write_card
-    from eagle_lab.training.scaling_report import main
-
-    for name, tokens, top1, tau in (("big", 2_000_000, [0.5, 0.4], {"cpu": {"T=0,n=20": 2.1}}),
-                                    ("small", 300_000, [0.3, 0.2], {})):
-        (tmp_path / name / "head").mkdir(parents=True)
-        write_card(tmp_path / name / "head", HeadCard(target="t", kind="eagle2", train_tokens=tokens,
-                                                      heldout_top1=top1, heldout_tau_chain=1.5, mtbench_tau=tau))
-    (tmp_path / "nocard").mkdir()
-    assert main([str(tmp_path / "big"), str(tmp_path / "small"), str(tmp_path / "nocard"),
-                 "--out", str(tmp_path / "out")]) == 0
-    rows = (tmp_path / "out" / "scaling.md").read_text().splitlines()[2:]
-    assert rows[0].startswith("| small |") and rows[1].startswith("| big |")  # sorted by tokens
-    assert "2.10 (20 prompts)" in rows[1] and rows[0].endswith("| - |")
-    assert (tmp_path / "out" / "scaling.png").stat().st_size > 0
-    assert "no card.json" in capsys.readouterr().err
-
-
-def test_scaling_report_compares_mtbench_on_the_same_prompt_count(tmp_path):
-    from eagle_lab.drafters.card import HeadCard, write_card
-    from eagle_lab.training.scaling_report import main
-
-    taus = {"both": {"cpu": {"T=0": 2.2, "T=0,n=20": 2.1, "T=1": 1.7}}, "only80": {"cpu": {"T=0": 1.9}}}
-    for tokens, (name, tau) in enumerate(taus.items(), start=1):
-        (tmp_path / name / "head").mkdir(parents=True)
-        write_card(tmp_path / name / "head", HeadCard(target="t", kind="eagle2", train_tokens=tokens * 10**6,
-                                                      heldout_top1=[0.5], heldout_tau_chain=1.5, mtbench_tau=tau))
-    runs = [str(tmp_path / name) for name in taus]
-    for prompts, expected in (("20", ["2.10 (20 prompts)", "1.90 (80 prompts)"]),
-                              ("80", ["2.20 (80 prompts)", "1.90 (80 prompts)"])):
-        assert main(runs + ["--out", str(tmp_path / prompts), "--prompts", prompts]) == 0
-        rows = (tmp_path / prompts / "scaling.md").read_text().splitlines()[2:]
-        assert [row.rsplit("| ", 1)[1].rstrip(" |") for row in rows] == expected
-
-
 @pytest.mark.slow
 def test_capture_only_cli_captures_and_trains_nothing(tmp_path):
     from test_train import run_script
@@ -269,62 +233,3 @@ def test_eval_only_needs_a_trained_head(tmp_path):
                   ("trainer.eval_only=true", "head.path=/x", "trainer.capture_only=true")):
         with pytest.raises(EagleLabError, match="trainer.eval_only evaluates a trained EAGLE head"):
             Recipe(smoke_cfg(tmp_path / "run", *extra)).setup()
-
-
-def test_scaling_report_shows_each_kind_of_training_text_as_its_own_series(tmp_path):
-    from eagle_lab.drafters.card import HeadCard, write_card
-    from eagle_lab.training.scaling_report import main, series
-
-    kinds = {"sharegpt": {"name": "sharegpt"},  # a card from before the parts were recorded
-             "self": {"heldout_replies": "target", "parts": [{"replies": "target", "tokens": 2}]},
-             "mix": {"heldout_replies": "source", "parts": [{"replies": "source"}, {"replies": "target"}]}}
-    for tokens, (name, data) in enumerate(kinds.items(), start=1):
-        (tmp_path / name / "head").mkdir(parents=True)
-        write_card(tmp_path / name / "head", HeadCard(target="t", kind="eagle2", train_tokens=tokens * 10**6,
-                                                      heldout_top1=[0.5], data=data))
-    assert main([str(tmp_path / name) for name in kinds] + ["--out", str(tmp_path / "out")]) == 0
-    rows = (tmp_path / "out" / "scaling.md").read_text().splitlines()[2:]
-    assert [row.split(" | ")[1] for row in rows] == ["source replies", "target's replies",
-                                                      "source replies + target's replies"]
-    assert series(HeadCard(target="t", kind="eagle2")) == "source replies"
-
-
-def _recipe_run(root, name, recipe, epochs=2.0, tokens=300_000, acc=(0.2, 0.3)):
-    from eagle_lab.drafters.card import HeadCard, write_card
-
-    (root / name / "head").mkdir(parents=True)
-    write_card(root / name / "head", HeadCard(target="t", kind="eagle2", train_tokens=tokens, epochs=epochs, steps=180,
-                                              heldout_top1=[0.26, 0.15], heldout_tau_chain=1.3, data={"source": "s"},
-                                              recipe=recipe))
-    rows = [{"step": 20 * (i + 1), "acc_1": a} for i, a in enumerate(acc)] + [{"step": 40, "eval_acc_1": 0.26}]
-    (root / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-
-
-def test_recipe_report_names_the_one_knob_each_run_changed(tmp_path):
-    from eagle_lab.training.recipe_report import main
-
-    base = {"lr": 1e-3, "epochs": 2, "intermediate_size": 0}
-    _recipe_run(tmp_path, "base", base)
-    _recipe_run(tmp_path, "lr", {**base, "lr": 3e-3})
-    _recipe_run(tmp_path, "ep6", {**base, "epochs": 6}, epochs=6.0, acc=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8))
-    assert main([str(tmp_path / r) for r in ("base", "lr", "ep6")] + ["--out", str(tmp_path / "out")]) == 0
-    rows = (tmp_path / "out" / "recipe.md").read_text().splitlines()[2:]
-    assert rows[0].startswith("| base | baseline | 2.00 |") and rows[1].startswith("| lr | lr 0.003 |")
-    assert rows[2].startswith("| ep6 | epochs 6 | 6.00 | 180 | 0.750 |")  # training top-1: the last quarter's mean
-    assert (tmp_path / "out" / "recipe.png").stat().st_size > 0
-
-
-def test_recipe_report_refuses_runs_that_are_not_one_knob_off_the_baseline(tmp_path, capsys):
-    from eagle_lab.training.recipe_report import main
-
-    base = {"lr": 1e-3, "epochs": 2}
-    _recipe_run(tmp_path, "base", base)
-    _recipe_run(tmp_path, "two", {"lr": 3e-3, "epochs": 4})
-    _recipe_run(tmp_path, "more_data", {**base, "lr": 3e-3}, tokens=600_000)
-    _recipe_run(tmp_path, "same", dict(base))
-    for other, why in (("two", "changes ['epochs', 'lr']"), ("more_data", "other data than the baseline"),
-                       ("same", "changes nothing")):
-        assert main([str(tmp_path / "base"), str(tmp_path / other), "--out", str(tmp_path / "out")]) == 2
-        assert why in capsys.readouterr().err
-    assert main([str(tmp_path / "missing"), str(tmp_path / "base")]) == 2
-    assert "the baseline" in capsys.readouterr().err

@@ -12,8 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "eagle_lab"
 # top to bottom; a module belongs to the first layer one of whose prefixes it starts with
 LAYERS = [
     ("entry points", ["eagle_lab.serve", "eagle_lab.train", "eagle_lab.export", "eagle_lab.compile",
-                     "eagle_lab.training.trainer", "eagle_lab.training.scaling_report",
-                     "eagle_lab.training.recipe_report"]),
+                     "eagle_lab.training.trainer"]),
     ("benchmark", ["eagle_lab.benchmark"]),
     ("serving", ["eagle_lab.serving"]),
     ("builders and configs", ["eagle_lab.builders", "eagle_lab.config"]),

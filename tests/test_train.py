@@ -183,7 +183,7 @@ def test_smoke_trains_exports_and_serves_losslessly(tmp_path):
     assert card["target"] == "tiny_llama" and card["kind"] == "eagle2" and card["steps"] == 30
     assert card["command"].startswith("python train.py experiment=smoke")
     assert card["train_tokens"] > 0 and card["epochs"] > 0
-    assert card["recipe"]["global_batch"] > 0 and card["recipe"]["lr"] > 0  # what recipe_report compares
+    assert card["recipe"]["global_batch"] > 0 and card["recipe"]["lr"] > 0  # the recipe a run is compared by
     assert card["heldout_top1"] == [pytest.approx(evals[-1][f"eval_acc_{d}"], abs=1e-4) for d in range(1, 6)]
 
     target = load_target(TargetConfig(name="tiny_llama", source="tiny"))

@@ -112,9 +112,9 @@ def load(name: str) -> None:
 def load_variant(name: str, source: str, march: str = NATIVE):
     """Another version of kernels/NAME.cpp (its text), built for the instruction set `march`, its ops registered
     under a namespace of its own (the source's, suffixed with a digest of the text and `march`: torch allows one
-    library per namespace in a process), so that both versions run in one process: how two kernels, or one
-    kernel's code for two instruction sets, are compared on a machine whose speed drifts between processes
-    (eagle_lab/benchmark/kernel_ab.py). Built once, keyed like load()'s. -> torch.ops.<namespace>."""
+    library per namespace in a process), so that both versions run in one process: how one kernel's code for
+    two instruction sets is compared (tests/test_kernel_variants.py), or two kernels on a machine whose speed
+    drifts between processes. Built once, keyed like load()'s. -> torch.ops.<namespace>."""
     own = re.search(r"TORCH_LIBRARY\((\w+),", source)
     if own is None:
         raise EagleLabError(f"this {name} source registers no ops (no TORCH_LIBRARY)")

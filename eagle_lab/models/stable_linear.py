@@ -129,7 +129,7 @@ class StableLinear(nn.Module):
         return self.run(torch.ops.eagle_lab_kernels, x)
 
     def run(self, ops, x: torch.Tensor) -> torch.Tensor:
-        """This layer through `ops`, eagle_lab's kernels or a variant of them (eagle_lab/benchmark/kernel_ab.py)."""
+        """This layer through `ops`, eagle_lab's kernels or a variant of them (models/native.load_variant)."""
         if self.storage == "q4_1":
             return ops.stable_linear_q4(x, self.nibbles, self.scales, self.minimums, self.bias, self.out_features)
         if self.storage == "q4_1x8":
