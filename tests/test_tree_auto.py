@@ -387,10 +387,10 @@ def test_sampled_replay_matches_greedy_replay_as_the_temperature_goes_to_zero(ti
     rows = replay_all(recording, search)
     for row in rows:
         assert row["sampled_tau"]["0.0001"] <= row["tau"] + 1e-6
-        assert row["sampled_tau"]["1"] >= 1.0
+        assert row["sampled_tau"]["1.0"] >= 1.0
     recorded = next(r for r in rows if r["shape"] == {"depth": 3, "topk": 2, "total_tokens": 6})
     assert recorded["sampled_tau"]["0.0001"] == pytest.approx(recorded["tau"], abs=1e-4)
-    assert row_tau(recorded, 0.9) == recorded["sampled_tau"]["1"] and row_tau(recorded, 0.0) == recorded["tau"]
+    assert row_tau(recorded, 0.9) == recorded["sampled_tau"]["1.0"] and row_tau(recorded, 0.0) == recorded["tau"]
 
 
 def test_choose_ranks_sampled_requests_by_their_expected_accept_length():

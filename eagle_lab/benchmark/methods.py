@@ -15,7 +15,7 @@ from eagle_lab.builders import (
 )
 from eagle_lab.config import HeadConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
-from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.sampling import SamplingParams, temperature_key
 from eagle_lab.decoding.tree import Drafter
 from eagle_lab.drafters.ngram import NgramDrafter
 from eagle_lab.errors import EagleLabError
@@ -124,7 +124,3 @@ def validate_bench(cfg: ServeConfig) -> None:
     if cfg.temperature != 0:
         log.warning("bench ignores temperature=%g: it runs bench.temperatures=%s", cfg.temperature,
                     list(bench.temperatures))
-
-
-def temperature_key(temperature: float) -> str:
-    return str(float(temperature))

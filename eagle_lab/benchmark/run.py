@@ -39,7 +39,6 @@ from eagle_lab.benchmark.methods import (
     METHODS,
     build_drafters,
     split_method,
-    temperature_key,
     validate_bench,
 )
 from eagle_lab.benchmark.prompt_sets import load_bench_prompts
@@ -51,7 +50,7 @@ from eagle_lab.config import ServeConfig
 from eagle_lab.decoding.backend import EagerBackend, build_backend
 from eagle_lab.decoding.generate import Stopper, generate
 from eagle_lab.decoding.heap import freeze_loaded_objects
-from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.sampling import SamplingParams, temperature_key
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.models.target import load_target

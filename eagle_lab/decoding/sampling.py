@@ -33,6 +33,12 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def temperature_key(temperature: float) -> str:
+    """A temperature as a JSON key, "0.0", "0.7", "1.0": the bench's results by temperature and tree=auto's
+    sampled accept lengths (readers take float() of it)."""
+    return str(float(temperature))
+
+
 @dataclass(frozen=True)
 class DraftSampling:
     """A round's request to draw its draft tokens from the drafter's own distribution under `params`

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from eagle_lab.decoding.generate import Stopper, speculative_decode
-from eagle_lab.decoding.sampling import SamplingParams, target_probs
+from eagle_lab.decoding.sampling import SamplingParams, target_probs, temperature_key
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.growth import Candidates, TreeShape
 from eagle_lab.drafters.ngram import NgramProposer
@@ -232,10 +232,6 @@ def expected_accept(paths: list[Path], probs: dict[Path, float], chain: list[int
             reach[path] = reach[path[:-1]] * probs.get(path, 0.0)
             total += reach[path]
     return total
-
-
-def temperature_key(temperature: float) -> str:
-    return f"{temperature:g}"
 
 
 def replay_all(recording: Recording, search: TreeSearchConfig, lengths: list[int] = ()) -> list[dict]:
