@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from eagle_lab.decoding.backend import DecodingConfig
+from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import TargetConfig
 from eagle_lab.training.data import DataConfig
 from eagle_lab.training.losses import LossConfig
@@ -136,6 +137,8 @@ class ServeConfig:
     compare: bool = False
 
     def __post_init__(self):
+        if self.max_new_tokens < 1:  # the one check: every mode and the decoding below it rely on it
+            raise EagleLabError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.chat is None:
             self.chat = self.target.chat
 

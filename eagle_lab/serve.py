@@ -41,8 +41,6 @@ def validate(cfg: ServeConfig) -> SamplingParams:
         raise EagleLabError(f"mode must be generate, bench or server, got '{cfg.mode}'")
     if cfg.method not in METHODS:
         raise EagleLabError(f"method must be one of {', '.join(METHODS)}, got '{cfg.method}'")
-    if cfg.max_new_tokens < 1:
-        raise EagleLabError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     compile_choice(cfg.compile)
     ngram_proposer(cfg.ngram)  # checks ngram.* before any work
     return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)

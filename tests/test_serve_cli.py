@@ -177,3 +177,12 @@ def test_bad_config_is_refused_by_hydra(overrides, tmp_path):
     run = serve("prompt=hi", *overrides, tmp_path=tmp_path)
     assert run.returncode != 0
     assert "Traceback" not in run.stderr and run.stdout == ""
+
+
+def test_max_new_tokens_is_checked_once_where_the_typed_config_is_built():
+    from eagle_lab.config import ServeConfig
+    from eagle_lab.errors import EagleLabError
+
+    with pytest.raises(EagleLabError, match=r"^max_new_tokens must be >= 1, got 0$"):
+        ServeConfig(max_new_tokens=0)
+    assert ServeConfig(max_new_tokens=1).max_new_tokens == 1

@@ -13,7 +13,7 @@ def test_key_values_parses_and_refuses():
             key_values("tool", argv, ("a", "b"))
 
 
-@pytest.mark.parametrize("argv", [["depth"], ["depth=x"], ["threads=2"], ["compile=maybe"], ["total=-1"]])
+@pytest.mark.parametrize("argv", [["depth"], ["depth=x"], ["threads=2"], ["compile=maybe"], ["total=-1"], ["tokens=0"]])
 def test_profile_round_refuses_bad_arguments_before_loading(argv, monkeypatch):
     import eagle_lab.benchmark.profile_round as tool
 

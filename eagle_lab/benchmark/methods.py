@@ -117,8 +117,6 @@ def validate_bench(cfg: ServeConfig) -> None:
         raise EagleLabError(f"bench.llama_cpp_draft must be >= 1, got {bench.llama_cpp_draft}")
     if bench.warmup < 0:
         raise EagleLabError(f"bench.warmup must be >= 0, got {bench.warmup}")
-    if cfg.max_new_tokens < 1:
-        raise EagleLabError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.stop:
         log.warning("bench ignores stop strings (stop=%s): every method stops at eos or max_new_tokens", cfg.stop)
     if cfg.temperature != 0:

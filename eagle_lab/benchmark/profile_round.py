@@ -50,6 +50,8 @@ def main(argv: list[str]) -> None:
     try:
         shape = TreeShape(int(args.get("depth", 4)), int(args.get("topk", 4)), int(args.get("total", 12)))
         tokens = int(args.get("tokens", 96))
+        if tokens < 1:
+            raise EagleLabError(f"tokens must be >= 1, got {tokens}")
         compile_choice(args.get("compile", "true"))
         target = load_target(TargetConfig(device="cpu", weights=args.get("weights", "auto")))
         head = build_head(HeadConfig(draft_weights=args.get("head_weights", "auto")), target)

@@ -72,8 +72,6 @@ def generate_on_rows(rows: StaticRows, prompts: list[list[int]], params: Samplin
     A prompt with no room under `rows.context` gets an empty, unfinished reply. on_reply(index, reply)
     is called as each one ends (progress, partial saving). keep_features: each Reply also carries the
     top features its forwards computed (what a separate capture pass over the same tokens would)."""
-    if max_new_tokens < 1:
-        raise EagleLabError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     seeds = list(range(len(prompts))) if seeds is None else seeds
     if len(seeds) != len(prompts):
         raise EagleLabError(f"{len(seeds)} seeds for {len(prompts)} prompts")

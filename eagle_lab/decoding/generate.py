@@ -66,11 +66,9 @@ class GenerationResult:
 
 
 class Stopper:
-    """Decides where generation ends: eos, a stop string, max_new_tokens."""
+    """Decides where generation ends: eos, a stop string, max_new_tokens (>= 1: the configs check it)."""
 
     def __init__(self, tokenizer, max_new_tokens: int, eos_ids: set[int], stop: Sequence[str] = ()):
-        if max_new_tokens < 1:
-            raise EagleLabError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.tokenizer, self.max_new_tokens, self.eos_ids = tokenizer, max_new_tokens, set(eos_ids)
         self.stop = [s for s in stop if s]
         self._longest = max((len(s) for s in self.stop), default=0)
