@@ -32,24 +32,26 @@ def _tree_mask(g: torch.Generator, batch: int, rows: int, keys: int) -> torch.Te
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
 @pytest.mark.parametrize("rows, keys, masked", [(1, 9, True), (5, 12, True), (6, 6, False), (4, 16, False),
                                                 (1, 7, False), (80, 80, False)])
-def test_it_computes_what_sdpa_computes(rows, keys, masked, heads, kv_heads):
+@pytest.mark.parametrize("head_dim", [16, 40, 96, 256])  # one vector chunk, no vector form, 3 and 2 chunks
+def test_it_computes_what_sdpa_computes(rows, keys, masked, heads, kv_heads, head_dim):
     load_attention_kernel()
     g = torch.Generator().manual_seed(rows * 100 + keys)
-    query = torch.randn(2, heads, rows, 16, generator=g)  # [B, H, T, D]
-    key, value = (torch.randn(2, kv_heads, keys, 16, generator=g) for _ in range(2))  # [B, kvH, S, D]
+    query = torch.randn(2, heads, rows, head_dim, generator=g)  # [B, H, T, D]
+    key, value = (torch.randn(2, kv_heads, keys, head_dim, generator=g) for _ in range(2))  # [B, kvH, S, D]
     mask = _tree_mask(g, 2, rows, keys) if masked else None
     got, _ = cpu_attention_forward(_module(heads // kv_heads), query, key, value, mask, scaling=0.35)
     want, _ = sdpa_attention_forward(_module(heads // kv_heads), query, key, value, mask, scaling=0.35)
-    assert got.shape == want.shape == (2, rows, heads, 16)
+    assert got.shape == want.shape == (2, rows, heads, head_dim)
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_a_query_gets_bitwise_the_same_alone_among_others_and_over_more_masked_keys():
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_a_query_gets_bitwise_the_same_alone_among_others_and_over_more_masked_keys(head_dim):
     load_attention_kernel()
     g = torch.Generator().manual_seed(3)
     past, rows, extra = 37, 5, 27
-    query = torch.randn(2, 6, rows, 64, generator=g)
-    key, value = (torch.randn(2, 2, past + rows + extra, 64, generator=g) for _ in range(2))
+    query = torch.randn(2, 6, rows, head_dim, generator=g)
+    key, value = (torch.randn(2, 2, past + rows + extra, head_dim, generator=g) for _ in range(2))
     allowed = torch.zeros(2, 1, rows, past + rows + extra, dtype=torch.bool)
     allowed[..., :past] = True
     allowed[..., past:past + rows] = torch.ones(rows, rows, dtype=torch.bool).tril()

@@ -292,16 +292,24 @@ void values_in_blocks(Scores scores_of, const float* totals, int64_t heads, cons
   }
 }
 
+// The weighted values for any D that is a multiple of 16, in column chunks of 16 * NV (the largest NV in 8, 4, 2, 1
+// that divides D): a lane's sum is the same whatever chunk holds it, so D = 256 runs as two chunks of 128 with no
+// register spills. False for a D without a vector form (the caller sums per query).
 template <class Scores, class Output>
 bool values_by_block(int64_t D, Scores scores_of, const float* totals, int64_t heads, const int32_t* idx, int64_t n,
                      const float* vb, int64_t v_stride, Output output_of) {
-  switch (D) {
-    case 16: values_in_blocks<1>(scores_of, totals, heads, idx, n, vb, v_stride, output_of); return true;
-    case 32: values_in_blocks<2>(scores_of, totals, heads, idx, n, vb, v_stride, output_of); return true;
-    case 64: values_in_blocks<4>(scores_of, totals, heads, idx, n, vb, v_stride, output_of); return true;
-    case 128: values_in_blocks<8>(scores_of, totals, heads, idx, n, vb, v_stride, output_of); return true;
-    default: return false;
+  if (D % 16 != 0) return false;
+  const int64_t lanes_per_chunk = D % 128 == 0 ? 128 : D % 64 == 0 ? 64 : D % 32 == 0 ? 32 : 16;
+  for (int64_t c = 0; c < D; c += lanes_per_chunk) {
+    auto chunk_of = [&](int64_t i) { return output_of(i) + c; };
+    switch (lanes_per_chunk) {
+      case 128: values_in_blocks<8>(scores_of, totals, heads, idx, n, vb + c, v_stride, chunk_of); break;
+      case 64: values_in_blocks<4>(scores_of, totals, heads, idx, n, vb + c, v_stride, chunk_of); break;
+      case 32: values_in_blocks<2>(scores_of, totals, heads, idx, n, vb + c, v_stride, chunk_of); break;
+      default: values_in_blocks<1>(scores_of, totals, heads, idx, n, vb + c, v_stride, chunk_of); break;
+    }
   }
+  return true;
 }
 
 at::Tensor stable_attention(const at::Tensor& query, const at::Tensor& key_in, const at::Tensor& value_in,
