@@ -81,11 +81,13 @@ def test_eos_stops_both(tiny_llama):
 
 
 @pytest.mark.parametrize("bad", [0, -3])
-def test_bad_max_new_tokens(tiny_llama, bad):
+def test_bad_max_new_tokens(bad):
+    """The typed config refuses a budget below one token before anything decodes."""
+    from eagle_lab.config import ServeConfig
     from eagle_lab.errors import EagleLabError
 
-    with pytest.raises(EagleLabError):
-        Stopper(tiny_llama.tokenizer, bad, set())
+    with pytest.raises(EagleLabError, match="max_new_tokens must be >= 1"):
+        ServeConfig(max_new_tokens=bad)
 
 
 class EagleWithOracleTree:
