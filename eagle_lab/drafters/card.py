@@ -82,12 +82,6 @@ def write_card(head_dir: str | Path, card: HeadCard) -> Path:
 MTBENCH_QUESTIONS = 80
 
 
-def bench_prompts(key: str) -> int:
-    """Prompt count of a card's MT-bench key: "T=0" is all 80 first turns, "T=0,n=20" is 20."""
-    n = key.partition(",n=")[2]
-    return int(n) if n else MTBENCH_QUESTIONS
-
-
 def record_mtbench_tau(head_dir: str | Path, tree: str, temperature: float, tau: float, prompts: int) -> bool:
     """Put a measured MT-bench tau into the head's card (keyed "T=0", or "T=0,n=20" when fewer
     than all 80 first turns were run); False if the head has no card."""
