@@ -94,8 +94,8 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path):
             try:
                 httpx.get(f"{url}/health", timeout=2)
                 time.sleep(0.05)
-            except httpx.ConnectError:
-                refused = True
+            except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+                refused = True  # refused, or accepted into the closing socket's backlog and reset unserved
         assert refused, "still accepting connections after SIGTERM"
         for thread in threads:
             thread.join(120)
