@@ -3,7 +3,7 @@
 
 Graphs are AOTInductor packages under `<cache>/compiled/` (eagle_lab/decoding/graph_store.py); a later
 process loads them in milliseconds, so `compile=auto` decodes compiled from the first token of any run.
-Steps: plain decoding at every attended length, tree=auto's full calibration on the compiled backend
+Steps: plain decoding's step (one package serves every attended length), tree=auto's full calibration on the compiled backend
 (its trees' sizes), one speculative generation (the head's steps), and what `mode=server` decodes with
 (every row count of its static cache, its tree per batch size). Graphs already built are loaded, not
 rebuilt: running it again is quick.
@@ -42,7 +42,7 @@ def build_graphs(cfg: ServeConfig) -> None:
     if not isinstance(backend, StaticBackend):
         raise EagleLabError("this target cannot be compiled here")
     prompt = as_tensor(encode_prompt(target.tokenizer, cfg.prompt or DEMO_PROMPT, cfg.chat, cfg.system), target.device)
-    log.info("compile [1/4]: plain decoding's step at every attended length")
+    log.info("compile [1/4]: plain decoding's step")
     _decode(cfg, target, None, backend, prompt, "vanilla")
     log.info("compile [2/4]: tree=auto's calibration on the compiled target (its trees' sizes)")
     drafter = make_drafter(cfg, target, backend, planned_tokens=None,

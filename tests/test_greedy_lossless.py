@@ -238,3 +238,38 @@ def test_ngram_chain_respects_the_context_limit(tiny_llama):
         assert spec.stats.stop_reason == plain.stats.stop_reason == "context"
     finally:
         tiny_llama.max_context = limit_before
+
+
+def test_a_chain_drafts_what_the_dynamic_tree_grows_at_top_1(tiny_llama, monkeypatch):
+    """A top-1 shape takes the chain path (no ranking); round after round it must draft the tree, and remember
+    the candidates, that EAGLE-2's growth gives at top-1. A drafter whose chain path is switched off is the
+    reference."""
+    shape = TreeShape(depth=3, topk=1, total_tokens=3)
+    drafters = [EagleDrafter(new_head(tiny_llama, seed=6), tiny_llama, shape) for _ in range(2)]
+    trees = [[], []]
+
+    def tree_drafter(index: int):
+        class Recording:
+            def reset(self):
+                drafters[index].reset()
+
+            def draft(self, sequence, new_features, max_depth, sampling=None):
+                tree = drafters[index].draft(sequence, new_features, max_depth)
+                cands = drafters[index].last_candidates
+                trees[index].append((tree.tokens.tolist(), tree.parents.tolist(), cands.tokens.tolist(),
+                                     cands.parents.tolist(), cands.scores))
+                return tree
+        return Recording()
+
+    chain_calls = []
+    original = EagleDrafter._draft_chain
+    monkeypatch.setattr(EagleDrafter, "_draft_chain", lambda self, *a: chain_calls.append(1) or original(self, *a))
+    plain, spec = run_both(tiny_llama, tree_drafter(0), prompts(1)[0], new_tokens=40)
+    assert chain_calls and plain.token_ids == spec.token_ids
+    monkeypatch.setattr(EagleDrafter, "_draft_chain",
+                        lambda self, sequence, features, depth: self._draft_tree(sequence, features, depth, shape))
+    run_both(tiny_llama, tree_drafter(1), prompts(1)[0], new_tokens=40)
+    assert len(trees[0]) == len(trees[1]) > 5
+    for chain, grown in zip(*trees):
+        assert chain[:4] == grown[:4] and len(chain[0]) == 4  # root + 3 levels, same tokens and parents
+        torch.testing.assert_close(chain[4], grown[4], rtol=0, atol=1e-6)  # cumulative draft log-probs

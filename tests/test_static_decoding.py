@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from eagle_lab.decoding import compiled
+from eagle_lab.decoding.compiled import doubling_lengths
 from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.decoding.sampling import SamplingParams
@@ -93,13 +94,14 @@ def test_bad_compile_choice_and_buckets_are_refused(tiny_llama, tmp_path, monkey
     assert isinstance(build_backend(tiny_llama, "auto", DecodingConfig(), planned_tokens=64), EagerBackend)
 
 
-def test_a_compiled_step_attends_over_a_doubling_length_and_an_eager_one_over_what_it_needs(tiny_llama):
+def test_a_compiled_step_attends_over_what_it_needs_and_a_cuda_graph_over_a_doubling_length(tiny_llama):
     compiled = StaticBackend(tiny_llama, [4], 64, compiled=True, min_attended_length=16)
-    assert compiled.attended_lengths(192) == [16, 32, 64, 128, 192]
+    assert compiled.packages  # on CPU: one package per shape, whatever its attended length
+    assert compiled.attended_lengths(192) == [192]  # built once, at the capacity
     needed = (5, 16, 17, 33, 129, 192)
-    assert [compiled.attended_length(n, 192, 1, 4) for n in needed] == [16, 16, 32, 64, 192, 192]
-    whole = StaticBackend(tiny_llama, [4], 64, compiled=True, min_attended_length=0)
-    assert whole.attended_lengths(192) == [192] and whole.attended_length(5, 192, 1, 4) == 192
+    assert [compiled.attended_length(n, 192, 1, 4) for n in needed] == [16, 16, 32, 48, 144, 192]
+    assert doubling_lengths(16, 192) == [16, 32, 64, 128, 192]  # a CUDA graph's lengths (one graph each)
+    assert doubling_lengths(0, 192) == [192]
     eager = StaticBackend(tiny_llama, [4], 64, min_attended_length=16)  # no graphs: rounded to EAGER_BLOCK
     assert eager.attended_length(17, 192, 1, 4) == 32 and eager.attended_length(190, 192, 1, 4) == 192
     with pytest.raises(EagleLabError, match="min_attended_length"):
@@ -108,8 +110,9 @@ def test_a_compiled_step_attends_over_a_doubling_length_and_an_eager_one_over_wh
 
 @pytest.mark.slow
 def test_compiled_decoding_equals_eager_greedy(tiny_llama):
-    """Through steps that attend over 16 to 128 positions of a 192-slot cache, every length compiled ahead at a
-    shape's first step, over the cache the prompt is in (what that writes is put back)."""
+    """Through steps that attend over 16 to 128 positions of a 192-slot cache, each shape one package (its
+    attended length dynamic) compiled ahead at the shape's first step, over the cache the prompt is in (what that
+    writes is put back)."""
     prompt = prompt_for(tiny_llama, "The quick brown fox jumps over the lazy dog. " * 3)
     assert prompt.numel() > 16
     compiled = StaticBackend(tiny_llama, [4, 16], 64, compiled=True, min_attended_length=16, compile_ahead=True)
@@ -126,8 +129,9 @@ def test_compiled_decoding_equals_eager_greedy(tiny_llama):
         runs[name] = (plain.token_ids, spec.token_ids, head.token_ids)
         assert plain.token_ids == spec.token_ids == head.token_ids
     assert runs["compiled"] == runs["eager"]
-    lengths = {key[0] for key in compiled._steps._graphs}
-    assert {16, 32, 64, 128} <= lengths  # the step ran over views, each length its own graph
+    assert all(key[0] is None for key in compiled._steps._graphs)  # a package per shape, not per length
+    lengths = {view[2] for cache in compiled._caches.values() for view in cache._views}
+    assert len(lengths) >= 4  # the packages ran over views of several attended lengths
     # logits: compiled against eager on the same cache contents
     scorers = [b.open(prompt.numel(), 8) for b in (compiled, eager)]
     for s in scorers:
@@ -193,7 +197,7 @@ def test_one_compiled_head_graph_serves_every_top_k_up_to_its_own(tiny_llama, mo
         want = eager.runner(eager.new_cache(), tokens, features, torch.arange(3), visible, k, from_draft=False)
         assert got[2].shape == (3, k) and torch.equal(got[2], want[2])
         assert torch.allclose(got[1], want[1], atol=1e-4)
-    assert len(compiled.runner._graphs) == len(compiled.runner.widths(cache.capacity))  # one per width, not per k
+    assert len(compiled.runner._graphs) == 1  # one package: every width, every k up to GRAPH_TOP_K
 
 
 @pytest.mark.slow

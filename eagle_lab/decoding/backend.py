@@ -40,11 +40,12 @@ class DecodingConfig:
     Every size up to 4 has its own: on a CPU each scored token costs (docs/benchmarks.md), and the small trees
     that pay there would pay less padded to 4.
     cache_block: static caches are sized in multiples of this many tokens.
-    min_attended_length: a compiled step attends over the first L positions of its cache, L the smallest of
+    min_attended_length: a CUDA graph attends over the first L positions of its cache, L the smallest of
     this length, its doublings and the cache's capacity that holds the step's tokens; each L is a graph
     (compiled when first needed, or all at a shape's first step: StaticBackend's compile_ahead).
     Attention reads every position it is given, masked or not, so a step over a larger cache costs more.
-    0: the whole cache.
+    0: the whole cache. On CPU a package's attended length is dynamic: it reads the positions in use,
+    rounded up to 16, and this setting does not apply.
     cache_capacity: a single sequence's static cache holds at least this many positions (more when its
     prompt and max_new_tokens need it), so that sequences of different lengths share graphs: a graph is
     specialised on the strides of the cache it writes, which follow the capacity.
@@ -188,15 +189,16 @@ class StaticBackend:
         return self._steps.backbone(view, prompt_ids[None], positions, mask, layer_ids)
 
     def attended_lengths(self, capacity: int) -> list[int]:
-        """The lengths a compiled step over a cache of `capacity` attends over (one graph each)."""
-        return doubling_lengths(self.min_attended_length, capacity)
+        """The lengths a compiled step over a cache of `capacity` is built for: on CPU one package serves every
+        length (built at the capacity); on CUDA each of these lengths is a graph."""
+        return [capacity] if self.packages else doubling_lengths(self.min_attended_length, capacity)
 
     def attended_length(self, needed: int, capacity: int, rows: int, tokens: int,
                         layer_ids: tuple[int, ...] = ()) -> int:
         """Positions a step of `rows` x `tokens` attends over when the last position it writes is needed - 1:
-        one of `attended_lengths` when compiled; an eager step has no graphs to share and attends over
-        little more than `needed`."""
-        if self.runs_eager(rows, tokens, tuple(layer_ids)):
+        little more than `needed` eagerly and from a package (its attended length is dynamic), one of
+        `attended_lengths` for a CUDA graph."""
+        if self.packages or self.runs_eager(rows, tokens, tuple(layer_ids)):
             return min(capacity, -(-needed // EAGER_BLOCK) * EAGER_BLOCK)
         return next(length for length in self.attended_lengths(capacity) if length >= needed)
 

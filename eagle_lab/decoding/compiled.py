@@ -3,8 +3,10 @@
 On CPU each step shape is an AOTInductor package (graph_store.py): built once on a machine (a
 slow step: `make compile` builds them ahead), loaded by every later process in milliseconds, and bound to the
 target's own weights. On CUDA the step is compiled with `torch.compile(mode="reduce-overhead")`
-(captured CUDA graphs) in each process. Each (rows, tokens, attended length, cache layout) is one
-graph.
+(captured CUDA graphs) in each process. On CPU each (rows, tokens, cache layout) is one package whose
+attended length is dynamic (exported as a dimension of the mask and the cache's views: any length up to
+the cache's capacity, with the speed of a package built for that one length); on CUDA each attended length is
+a graph too.
 
 `build=False` (compile=auto in a short run) never compiles: a shape whose package is missing runs
 eagerly over the same static cache, and the run says once how to build the packages.
@@ -164,9 +166,9 @@ class StepCompiler:
         return {"layers": layer_ids, "model": self.target.config.to_json_string(use_diff=False),
                 "weights": self.target.weights, "linear_kernel": self.target.linear_kernel, "ops": op_schemas()}
 
-    def _package_key(self, flat: FlatStep, args: tuple) -> str:
+    def _package_key(self, flat: FlatStep, args: tuple, dynamic: tuple) -> str:
         """The store's key of the package that runs `flat` on `args` (the step's tensors, the cache's included)."""
-        return self.store.key("target-step", flat, args, self._constants(flat.layer_ids), STEP_SOURCES)
+        return self.store.key("target-step", flat, args, self._constants(flat.layer_ids), STEP_SOURCES, dynamic)
 
     def has_graphs(self, cache) -> bool:
         """Whether any plain-step package for this target (over caches like `cache`) was built on this machine."""
@@ -179,8 +181,10 @@ class StepCompiler:
     def run(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]):
         # a graph is specialised on strides too: inputs are made contiguous
         input_ids, positions, mask = input_ids.contiguous(), positions.contiguous(), contiguous(mask)
-        # the cache's strides too: two views of one length over caches of different capacities are one shape
-        key = (cache.capacity, input_ids.shape[0], input_ids.shape[1], layer_ids, cache.layers[0].keys.stride())
+        # the cache's strides too: two views of one length over caches of different capacities are one shape; a
+        # package serves every attended length of a cache (its strides tell the cache apart)
+        length = None if self.packages else cache.capacity
+        key = (length, input_ids.shape[0], input_ids.shape[1], layer_ids, cache.layers[0].keys.stride())
         if self.runs_eager(input_ids.shape[0], input_ids.shape[1], layer_ids) or key in self._missing:
             return self.module(cache.hf_cache, input_ids, positions, mask, layer_ids)
         graph = self._graphs.get(key)
@@ -204,11 +208,13 @@ class StepCompiler:
         # is given no aliased inputs that it writes to (a package reads and adds to each input apart either way)
         kv = [(keys, values, written.clone()) for keys, values, written in cache_inputs(cache.hf_cache)]
         args = (input_ids, positions, mask, kv)
-        store_key = self._package_key(flat, args)
-        what = f"the target step for {_shape_name(key[1], key[2])} over {cache.capacity} positions"
+        dynamic = attended_length_dims(args, cache.storage_capacity)
+        store_key = self._package_key(flat, args, dynamic)
+        what = (f"the target step for {_shape_name(key[1], key[2])} over a {cache.storage_capacity}-position cache "
+                "(any attended length)")
         # export traces on fake tensors: building writes nothing into the cache
         if self.build:
-            runner = self.store.load_or_build(store_key, flat, args, what)
+            runner = self.store.load_or_build(store_key, flat, args, what, dynamic=dynamic)
         else:
             runner = self.store.load(store_key, flat)
         if runner is None:
@@ -250,6 +256,16 @@ class StepCompiler:
         cache.set_length(written_from)
         return (self.module(cache.hf_cache, input_ids, positions, mask, layer_ids) if eager
                 else graph(*args))  # the cache as the kept path writes it
+
+
+def attended_length_dims(args: tuple, capacity: int) -> tuple:
+    """torch.export's dynamic_shapes for FlatStep's (input_ids, positions, mask, kv): the attended length, the
+    mask's last dimension (per layer type where they mix) and the cache views' third, is one dynamic size from
+    16 (or the capacity, if less) up to the capacity of the cache they view."""
+    length = torch.export.Dim("attended_length", min=min(16, capacity), max=capacity)
+    _, _, mask, kv = args
+    masks = {name: {3: length} for name in mask} if isinstance(mask, dict) else {3: length}
+    return None, None, masks, [({2: length}, {2: length}, None) for _ in kv]
 
 
 class _Hint:

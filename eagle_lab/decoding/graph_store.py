@@ -21,8 +21,9 @@ for SmolLM2 in fp32) and takes minutes to build, and its key includes a digest o
 A package's path is a hash of everything its code depends on: torch, transformers and Python
 versions, the CPU's instruction sets, eagle_lab's source files of that step, the module's parameter
 names, shapes and dtypes, the example inputs' shapes, strides and dtypes, and the step's own
-constants (rows, attended length, layers). Change any of them and the package is built anew
-instead of loaded; a package that fails to load is rebuilt too.
+constants (rows, layers). Change any of them and the package is built anew instead of loaded; a package
+that fails to load is rebuilt too. A dimension exported as dynamic (`dynamic=`: the target step's attended
+length, the head step's cache width) is one package for every size, and its key names its range, not a size.
 
 So an upgrade leaves the packages of the old code behind. A load stamps its package's modification time,
 which is then the time it was last used, and `python -m eagle_lab.decoding.graph_store
@@ -108,14 +109,24 @@ def environment() -> dict:
             "python": ".".join(map(str, sys.version_info[:3])), "cpu": cpu_features()}
 
 
-def _describe(value) -> object:
-    """Shapes, strides and dtypes of a nested structure of tensors (what an exported graph is specialised on)."""
+def _describe(value, dynamic=None) -> object:
+    """Shapes, strides and dtypes of a nested structure of tensors (what an exported graph is specialised on);
+    `dynamic` mirrors it as torch.export's dynamic_shapes do ({dim: Dim} for a tensor, None: static), and a
+    dynamic dimension is described by its name and range, with no size. Such a tensor's strides are "contiguous" when it
+    is (they follow from its sizes), else listed: a view's strides come from the storage it views, so a
+    package never serves a layout it was not built for."""
     if isinstance(value, torch.Tensor):
-        return [list(value.shape), list(value.stride()), str(value.dtype), value.device.type]
+        if not dynamic:
+            return [list(value.shape), list(value.stride()), str(value.dtype), value.device.type]
+        shape = [f"{dynamic[d].__name__}:{dynamic[d].min}..{dynamic[d].max}" if d in dynamic else n
+                 for d, n in enumerate(value.shape)]
+        strides = "contiguous" if value.is_contiguous() else list(value.stride())
+        return [shape, strides, str(value.dtype), value.device.type]
     if isinstance(value, (list, tuple)):
-        return [_describe(item) for item in value]
+        return [_describe(item, None if dynamic is None else dynamic[i]) for i, item in enumerate(value)]
     if isinstance(value, dict):  # a mask per layer type
-        return {str(key): _describe(item) for key, item in sorted(value.items())}
+        return {str(key): _describe(item, None if dynamic is None else dynamic[key])
+                for key, item in sorted(value.items())}
     return repr(value)
 
 
@@ -148,9 +159,11 @@ class GraphStore:
                            sorted((str(k), repr(v)) for k, v in constants.items()), frozen], sort_keys=True)
         return f"{name}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
 
-    def key(self, name: str, module: nn.Module, args: tuple, constants: dict, sources: tuple[str, ...] = ()) -> str:
-        """A package's file name: its family, then a hash of the inputs' shapes, strides and dtypes."""
-        shape = hashlib.sha1(json.dumps(_describe(args)).encode()).hexdigest()[:12]
+    def key(self, name: str, module: nn.Module, args: tuple, constants: dict, sources: tuple[str, ...] = (),
+            dynamic: tuple | None = None) -> str:
+        """A package's file name: its family, then a hash of the inputs' shapes, strides and dtypes (`dynamic`:
+        build()'s; its dimensions count by name, not size)."""
+        shape = hashlib.sha1(json.dumps(_describe(args, dynamic)).encode()).hexdigest()[:12]
         return f"{self.family(name, module, constants, sources)}-{shape}"
 
     def has_family(self, family: str) -> bool:
@@ -198,13 +211,14 @@ class GraphStore:
         _mark_used(path)
         return LoadedPackage(runner)
 
-    def build(self, key: str, module: nn.Module, args: tuple) -> LoadedPackage:
+    def build(self, key: str, module: nn.Module, args: tuple, dynamic: tuple | None = None) -> LoadedPackage:
         """Export `module` on `args` (a tuple of tensors and nested lists of them), compile it ahead of time,
-        write the package atomically and return it loaded."""
+        write the package atomically and return it loaded. dynamic: torch.export's dynamic_shapes for `args`
+        (None: every size fixed)."""
         from torch._inductor import aoti_compile_and_package
 
         self.root.mkdir(parents=True, exist_ok=True)
-        exported = torch.export.export(module, args, strict=False)
+        exported = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
         handle, partial = tempfile.mkstemp(dir=self.root, prefix=f".{key}.", suffix=".pt2")
         os.close(handle)
         try:
@@ -220,15 +234,16 @@ class GraphStore:
             raise RuntimeError(f"a freshly built compiled graph does not load: {self.path(key)}")
         return runner
 
-    def load_or_build(self, key: str, module: nn.Module, args: tuple, what: str, build: bool = True):
+    def load_or_build(self, key: str, module: nn.Module, args: tuple, what: str, build: bool = True,
+                      dynamic: tuple | None = None):
         """The loaded package for `key`; built first (and logged with its time and size) when missing and
-        `build`, else None."""
+        `build`, else None. dynamic: as build()'s."""
         runner = self.load(key, module)
         if runner is not None or not build:
             return runner
         log.info("compiling %s ahead of time (once on this machine; kept in %s)", what, self.root)
         start = time.perf_counter()
-        runner = self.build(key, module, args)
+        runner = self.build(key, module, args, dynamic)
         log.info("compiled %s in %.0f s (%.1f MB)", what, time.perf_counter() - start,
                  self.path(key).stat().st_size / 1e6)
         return runner

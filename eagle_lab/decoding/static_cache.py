@@ -62,11 +62,14 @@ def _shared_counters(hf_cache: StaticCache) -> torch.Tensor | None:
 
 
 def _stacked_storage(hf_cache: StaticCache) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """On CPU, every layer's keys (and values) become one slice of a single tensor [layers, R, kvH, capacity, D],
+    """On CPU, every layer's keys (and values) become one slice of a single tensor [layers, R, kvH, capacity + 1, D],
     so that moving a round's accepted entries, or a row, is one copy for all layers, not one per layer tensor (60
-    on SmolLM2, each a small kernel launch on a CPU). Each layer's tensor keeps its shape and strides (a graph
-    built for the separate tensors runs on these). CUDA keeps Hugging Face's own tensors (marked static for CUDA
-    graphs). -> (keys, values) stacked, or None where the layers differ in shape or stay apart."""
+    on SmolLM2, each a small kernel launch on a CPU). Each layer's tensor keeps its shape [R, kvH, capacity, D].
+    The one spare position, never read or written, keeps every view of a layer (any rows, any attended length,
+    the whole capacity included) laid out alike: a compiled step exported over a dynamic attended length
+    (compiled.py) would otherwise tell the whole capacity apart, the one length whose view is contiguous. CUDA
+    keeps Hugging Face's own tensors (marked static for CUDA graphs). -> (keys, values) stacked, or None where
+    the layers differ in shape or stay apart."""
     layers = hf_cache.layers
     if not layers or any(layer.keys.device.type != "cpu" for layer in layers):
         return None
@@ -74,19 +77,23 @@ def _stacked_storage(hf_cache: StaticCache) -> tuple[torch.Tensor, torch.Tensor]
     if any(layer.keys.shape != first.keys.shape or layer.values.shape != first.values.shape
            or layer.keys.dtype != first.keys.dtype for layer in layers):
         return None
-    keys = torch.zeros((len(layers), *first.keys.shape), dtype=first.keys.dtype)
-    values = torch.zeros((len(layers), *first.values.shape), dtype=first.values.dtype)
+    rows, kv_heads, capacity, head_dim = first.keys.shape
+    spare = (len(layers), rows, kv_heads, capacity + 1)
+    keys = torch.zeros((*spare, head_dim), dtype=first.keys.dtype)
+    values = torch.zeros((*spare, first.values.shape[-1]), dtype=first.values.dtype)
     for index, layer in enumerate(layers):
-        layer.keys, layer.values = keys[index], values[index]
-    return keys, values
+        layer.keys, layer.values = keys[index, :, :, :capacity], values[index, :, :, :capacity]
+    return keys[..., :capacity, :], values[..., :capacity, :]
 
 
 class StaticKVCache:
     def __init__(self, config, capacity: int, device: torch.device, dtype: torch.dtype, rows: int = 1,
                  hf_cache: StaticCache | None = None,
-                 stacked: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """hf_cache: the layers of a view (view()), with `stacked` its slice of the owner's stacked storage."""
+                 stacked: tuple[torch.Tensor, torch.Tensor] | None = None, storage_capacity: int | None = None):
+        """hf_cache: the layers of a view (view()), with `stacked` its slice of the owner's stacked storage and
+        storage_capacity the owner's capacity (the longest view of that storage)."""
         self.capacity, self.rows = capacity, rows
+        self.storage_capacity = capacity if storage_capacity is None else storage_capacity
         config = cache_config(config)  # every layer keeps every position; a sliding window is the masks' work
         self.config, self.device, self.dtype = config, device, dtype
         self.hf_cache = hf_cache if hf_cache is not None else StaticCache(config=config, max_cache_len=capacity)
@@ -143,7 +150,7 @@ class StaticKVCache:
             stacked = None if self._stacked is None else tuple(t[:, start:start + rows, :, :length]
                                                                for t in self._stacked)
             self._views[key] = StaticKVCache(self.config, length, self.device, self.dtype, rows, hf_cache=hf_view,
-                                             stacked=stacked)
+                                             stacked=stacked, storage_capacity=self.storage_capacity)
         return self._views[key]
 
     def keep_accepted(self, past: int, accepted: torch.Tensor, row: int = 0, scored_at: int | None = None) -> None:

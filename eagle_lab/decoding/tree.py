@@ -64,6 +64,11 @@ def tree_from_lists(tokens: list[int], parents: list[int], device: torch.device)
                                                                                                       len(parents)))
 
 
+def chain_tree(root_token: int, tokens: list[int], device: torch.device) -> DraftTree:
+    """The root followed by `tokens`, each the child of the one before."""
+    return tree_from_lists([root_token, *tokens], list(range(-1, len(tokens))), device)
+
+
 def root_only_tree(root_token: int, device: torch.device) -> DraftTree:
     return tree_from_lists([root_token], [-1], device)
 

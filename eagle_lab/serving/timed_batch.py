@@ -75,7 +75,7 @@ def build_row_graphs(target: Target, drafter: EagleDrafter | None, rows: StaticR
     counts = rows.buckets
     prompt = prompt[:max(1, rows.context // 2)]  # room for the steps' tokens
     for index, count in enumerate(counts, 1):
-        log.info("server graphs [%d/%d]: %d row(s), plain%s step at every attended length", index, len(counts),
+        log.info("server graphs [%d/%d]: %d row(s), plain%s step", index, len(counts),
                  count, "" if drafter is None else " and tree")
         timed_batch_decoding(target, drafter, [prompt] * count, plain, 2, rows)  # the drafter's feature layers
         for temperature in temperatures:

@@ -29,7 +29,7 @@ import time
 import torch
 
 from eagle_lab.decoding.sampling import DraftSampling, SamplingParams
-from eagle_lab.decoding.tree import DraftTree, root_only_tree
+from eagle_lab.decoding.tree import DraftTree, chain_tree, root_only_tree
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache, draft_lm_head_weight
 from eagle_lab.drafters.eagle.head_runner import HeadStepRunner
 from eagle_lab.drafters.growth import Candidates, ChainControl, TreeChoice, TreeGrowth, TreeShape, grow_dynamic_tree
@@ -194,6 +194,15 @@ class EagleDrafter:
             return root_only_tree(root, device)
         if sampling is not None:
             return self._draft_sampled(sequence, new_features, depth, sampling, shape)
+        if shape.topk == 1 and shape.total_tokens >= depth:
+            return self._draft_chain(sequence, new_features, depth)
+        return self._draft_tree(sequence, new_features, depth, shape)
+
+    def _draft_tree(self, sequence: torch.Tensor, new_features: torch.Tensor, depth: int,
+                    shape: TreeShape) -> DraftTree:
+        """EAGLE-2's dynamic tree (grow_dynamic_tree), the head stepping the frontier's k rows at each level."""
+        device = sequence.device
+        root = int(sequence[-1])
         k = min(shape.topk, self.head.arch.draft_vocab_size)
         hidden, top_logp, top_ids = self._commit(sequence, new_features, k)
         scores, tokens = self._children(top_logp[-1:], top_ids[-1:])  # [1, k] each: the root's children
@@ -212,6 +221,25 @@ class EagleDrafter:
         tree, self.last_candidates = grow_dynamic_tree(root, scores.flatten(), tokens.flatten(), depth,
                                                        shape.total_tokens, expand)
         return tree
+
+    def _draft_chain(self, sequence: torch.Tensor, new_features: torch.Tensor, depth: int) -> DraftTree:
+        """The tree grow_dynamic_tree grows at top-1 (a chain, every level kept), without its ranking: one
+        one-row head step per level, each seeing every committed pair and the levels above it."""
+        device = sequence.device
+        hidden, top_logp, top_ids = self._commit(sequence, new_features, 1)
+        logps, ids = [top_logp[-1]], [top_ids[-1]]  # [1] each: the root's child
+        predicted = hidden[-1:]  # [1, H] its parent feature
+        for level in range(1, depth):
+            visible = torch.ones(1, self.committed + level, dtype=torch.bool, device=device)
+            positions = torch.full((1,), self.committed + level - 1, device=device)
+            predicted, top_logp, top_ids = self.runner(self.cache, self.head.draft_to_target[ids[-1]], predicted,
+                                                       positions, visible, 1, from_draft=True)  # [1, H], [1, 1] x2
+            logps.append(top_logp[0])
+            ids.append(top_ids[0])
+        tokens = self.head.draft_to_target[torch.cat(ids)]  # [depth] target token ids
+        self.last_candidates = Candidates(torch.cat(logps).cumsum(0), torch.arange(-1, depth - 1, device=device),
+                                          tokens)
+        return chain_tree(int(sequence[-1]), tokens.tolist(), device)
 
     def _draft_sampled(self, sequence: torch.Tensor, new_features: torch.Tensor, depth: int,
                        sampling: DraftSampling, shape: TreeShape) -> DraftTree:

@@ -1,14 +1,13 @@
 """The draft head's step (head_step.py) over a preallocated KV cache, run eagerly or compiled per row bucket.
 
-Keys and values go into the head cache at given slots in place, so the shapes a compiled step sees are
-fixed: rows are padded to a bucket, and attention runs under an additive mask over the first W slots of
-the cache, W the smallest width (256, its doublings, the capacity) past the rows' slots. Padding rows
-write to slot W - 1, which no row sees before a real row has written it (rows fill slots in order). On
-CPU each bucket and width is an AOTInductor package like the target's step
-(eagle_lab/decoding/graph_store.py: built once per machine, loaded in milliseconds, bound to the head's
-own weights); one graph replaces the dozens of
-small eager kernels a step is made of. On CUDA it is compiled with torch.compile. Drafts are
-proposals only: their numerics never touch exactness.
+Keys and values go into the head cache at given slots in place: rows are padded to a bucket, and attention
+runs under an additive mask over the first W slots of the cache, W the rows' last slot plus one rounded up to
+16 (on CUDA: 256, its doublings or the capacity), always short of the capacity. Padding rows write to slot
+W - 1, which no row sees before a real row has written it (rows fill slots in order). On CPU each bucket is
+an AOTInductor package like the target's step (eagle_lab/decoding/graph_store.py: built once per machine,
+loaded in milliseconds, bound to the head's own weights) whose width W is dynamic; one graph replaces the
+dozens of small eager kernels a step is made of. On CUDA it is compiled with torch.compile, a graph per W.
+Drafts are proposals only: their numerics never touch exactness.
 """
 
 from __future__ import annotations
@@ -29,14 +28,15 @@ from eagle_lab.models.native import op_schemas
 
 log = logging.getLogger(__name__)
 ROW_BUCKETS = (1, 4, 16)  # rows per compiled head step; more rows (a prompt's first commit) run 16 at a time
-MIN_WIDTH = 256  # the narrowest cache width a compiled step attends over (then doublings, then the capacity)
+MIN_WIDTH = 256  # the narrowest cache width a CUDA graph attends over (then doublings, then the capacity)
+WIDTH_BLOCK = 16  # a package's width: the slots in use rounded up to this
 GRAPH_TOP_K = 8  # a compiled step returns at least this many top-k drafts, sliced to what was asked: one graph
 # serves every top-k up to it (tree=auto times top-k 1..8), where a graph per k would multiply the builds
 
 
 class HeadStepRunner:
-    """Runs `HeadStep` for one drafter: eagerly over the cache's filled part, or compiled over its whole
-    width with rows padded to a bucket (one graph per bucket, width, k and feature source)."""
+    """Runs `HeadStep` for one drafter: eagerly over the cache's filled part, or compiled with rows padded to a
+    bucket (one graph per bucket, k and feature source; on CUDA per width too)."""
 
     def __init__(self, head: EagleHead, embed_tokens: nn.Module, rotary: nn.Module, lm_weight: torch.Tensor,
                  compiled: bool, buckets: tuple[int, ...] = ROW_BUCKETS, build: bool = True,
@@ -60,8 +60,16 @@ class HeadStepRunner:
         return next((b for b in self.buckets if b >= rows), None)
 
     def widths(self, capacity: int) -> list[int]:
-        """The cache widths a compiled step over a cache of `capacity` slots attends over (a graph each)."""
+        """The cache widths a CUDA graph over a cache of `capacity` slots attends over (a graph each)."""
         return doubling_lengths(self.min_width, capacity)
+
+    def width(self, used: int, capacity: int) -> int:
+        """The width a compiled step attends over when `used` slots (< capacity) hold its rows and the ones
+        before them: past `used`, short of the capacity on CPU (no view of the whole buffer: a package's
+        width is dynamic, and only the whole width would be laid out contiguously)."""
+        if self.packages:
+            return min(-(-(used + 1) // WIDTH_BLOCK) * WIDTH_BLOCK, capacity - 1)
+        return next(w for w in self.widths(capacity) if w > used)
 
     @torch.no_grad()
     def __call__(self, cache: HeadKVCache, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
@@ -76,9 +84,9 @@ class HeadStepRunner:
             return self._in_chunks(cache, tokens, features, positions, visible, k, from_draft, last_only)
         bucket = self.bucket(rows)
         padded = bucket or rows
-        cache.reserve(start + rows + 1, like=self.module.head.fc.weight, arch=self.module.head.arch)
+        cache.reserve(start + rows + 2, like=self.module.head.fc.weight, arch=self.module.head.arch)
         # attention runs over [0, width); padding rows write to its last slot, past every row's own
-        width = next(w for w in self.widths(cache.capacity) if w > start + rows) if bucket else start + rows
+        width = self.width(start + rows, cache.capacity) if bucket else start + rows
         scratch = width - 1
         device = tokens.device
         slots = torch.tensor([*range(start, start + rows), *[scratch] * (padded - rows)], device=device)
@@ -98,7 +106,8 @@ class HeadStepRunner:
         args = (cache.key_buffer[:, :, :width], cache.value_buffer[:, :, :width],
                 _pad(tokens, padded)[None], _pad(features, padded)[None], _pad(positions, padded)[None], slots,
                 mask[None, None], step_k, from_draft, last_only and not bucket)
-        key = (padded, width, step_k, from_draft, args[0].stride()) if bucket else None  # the cache's strides too
+        # the cache's strides too; a package serves every width
+        key = (padded, None if self.packages else width, step_k, from_draft, args[0].stride()) if bucket else None
         hidden, top_logp, top_ids = self._run(args, key, cache)
         cache.length = start + rows
         return hidden[0, :rows], top_logp[:rows, :k], top_ids[:rows, :k]
@@ -124,7 +133,7 @@ class HeadStepRunner:
             return self.module(*args)
         if key not in self._graphs:
             if self.packages:
-                self._prepare_widths(args, key, cache)
+                self._prepare_package(args, key, cache)
             else:
                 start = time.perf_counter()
                 out = self._fn(*args)
@@ -137,22 +146,20 @@ class HeadStepRunner:
             return self.module(*args)
         return graph(args) if self.packages else call_known_graph(self._fn, args, args[2].device)
 
-    def _prepare_widths(self, args, key: tuple, cache: HeadKVCache) -> None:
-        """Load (or build, when allowed) this step's package for every width of the cache at once, so that no
-        build falls inside a later round when the sequence grows into the next width. Export only traces: the
-        cache is not written."""
-        padded, _, step_k, from_draft, stride = key
+    def _prepare_package(self, args, key: tuple, cache: HeadKVCache) -> None:
+        """Load (or build, when allowed) this step's package, which serves every width of the cache, so that no
+        build falls inside a later round when the sequence grows. Export only traces: the cache is not written."""
+        padded, _, step_k, from_draft, _ = key
         bound = BoundHeadStep(self.module, step_k, from_draft)
         constants = {"k": step_k, "from_draft": from_draft, "arch": self.module.head.arch, "ops": op_schemas()}
-        for width in self.widths(cache.capacity):
-            mask = args[6].new_zeros((1, 1, padded, width))
-            tensors = (cache.key_buffer[:, :, :width], cache.value_buffer[:, :, :width], *args[2:6], mask)
-            store_key = self.store.key("head-step", bound, tensors, constants, STEP_SOURCES)
-            what = f"the head step for {padded} rows over a {width}-slot cache"
-            runner = (self.store.load_or_build(store_key, bound, tensors, what) if self.build
-                      else self.store.load(store_key, bound))
-            self._graphs[(padded, width, step_k, from_draft, stride)] = (
-                None if runner is None else (lambda a, runner=runner: tuple(runner(*a[:7]))))
+        tensors = args[:7]  # keys, values [1, kvH, W, D]; tokens, features, positions, slots; mask [1, 1, R, W]
+        width = torch.export.Dim("width", min=min(WIDTH_BLOCK, cache.capacity - 1), max=cache.capacity - 1)
+        dynamic = ({2: width}, {2: width}, None, None, None, None, {3: width})
+        store_key = self.store.key("head-step", bound, tensors, constants, STEP_SOURCES, dynamic)
+        what = f"the head step for {padded} rows over a {cache.capacity}-slot cache (any width)"
+        runner = (self.store.load_or_build(store_key, bound, tensors, what, dynamic=dynamic) if self.build
+                  else self.store.load(store_key, bound))
+        self._graphs[key] = None if runner is None else (lambda a: tuple(runner(*a[:7])))
 
 
 @functools.lru_cache(maxsize=16)
