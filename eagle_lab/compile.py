@@ -3,10 +3,10 @@
 
 Graphs are AOTInductor packages under `<cache>/compiled/` (eagle_lab/decoding/graph_store.py); a later
 process loads them in milliseconds, so `compile=auto` decodes compiled from the first token of any run.
-Steps: plain decoding's step (one package serves every attended length), tree=auto's full calibration on the compiled backend
-(its trees' sizes), one speculative generation (the head's steps), and what `mode=server` decodes with
-(every row count of its static cache, its tree per batch size). Graphs already built are loaded, not
-rebuilt: running it again is quick.
+Steps: plain decoding's step (one package serves every attended length), tree=auto's full calibration on
+the compiled backend (its trees' sizes), one speculative generation (the head's steps), and what
+`mode=server` decodes with (every row count of its static cache, its tree per batch size). Graphs already
+built are loaded, not rebuilt: running it again is quick.
 """
 
 from __future__ import annotations

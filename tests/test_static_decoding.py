@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from eagle_lab.decoding import compiled
-from eagle_lab.decoding.compiled import doubling_lengths
 from eagle_lab.decoding.backend import DecodingConfig, EagerBackend, StaticBackend, build_backend
+from eagle_lab.decoding.compiled import doubling_lengths
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.tree import build_tree
