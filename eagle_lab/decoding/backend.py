@@ -48,7 +48,9 @@ class DecodingConfig:
     rounded up to 16, and this setting does not apply.
     cache_capacity: a single sequence's static cache holds at least this many positions (more when its
     prompt and max_new_tokens need it), so that sequences of different lengths share graphs: a graph is
-    specialised on the strides of the cache it writes, which follow the capacity.
+    specialised on the strides of the cache it writes, which follow the capacity. The default is a server
+    row's (server.context 2048 plus the slack, in blocks of 512), so that a single sequence's steps and the
+    server's one-row steps are the same packages.
     frozen_weights: on CPU, compile the target step with its weights frozen and prepacked into each graph
     (graph_store.py): faster where inductor's C++ GEMM template beats MKL at a few rows, at the cost of
     the weights' size on disk per graph and minutes of autotuning per graph.
@@ -59,7 +61,7 @@ class DecodingConfig:
     buckets: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 8, 16])
     cache_block: int = 512
     min_attended_length: int = 256
-    cache_capacity: int = 2048
+    cache_capacity: int = 2560
     compile_min_tokens: int = 2048
     frozen_weights: bool = False
 
