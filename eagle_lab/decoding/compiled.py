@@ -276,7 +276,7 @@ def _hint_once() -> None:
     if not _Hint.shown:
         _Hint.shown = True
         log.info("compile=auto: some steps have no compiled graph on this machine yet and run eagerly; build them "
-                 "once with `python -m eagle_lab.compile` (about half a minute a graph on 2 cores)")
+                 "once with `python -m eagle_lab.compile` (about 40 s a graph on 2 cores)")
 
 
 def _shape_name(rows: int, tokens: int) -> str:
