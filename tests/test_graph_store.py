@@ -175,3 +175,22 @@ def test_what_a_killed_process_unpacked_is_removed_once_it_has_ended(store_dir, 
     removed, freed = remove_orphaned_extractions([private], min_age_s=0)
     assert removed == len(unpacked) and freed > 0
     assert not list(private.glob("aotinductor_*"))
+
+
+def test_compile_builds_the_known_shapes_in_worker_processes(store_dir, monkeypatch):
+    """`python -m eagle_lab.compile` first builds one sequence's bucket steps and the server's plain row steps
+    side by side in worker processes; afterwards every one of them is on disk for the main process to load."""
+    from eagle_lab import compile as compile_command
+    from eagle_lab.models.target import load_target
+    from tests.serving_helpers import serve_config
+
+    monkeypatch.setattr(compile_command.os, "cpu_count", lambda: 2)  # workers even on a one-core runner
+    cfg = serve_config("target=tiny_llama", "head.path=random", "decoding.buckets=[1,2]", "server.max_batch=2",
+                       "server.context=96", "decoding.cache_block=32", "decoding.cache_capacity=128")
+    target = load_target(cfg.target)
+    backend = build_backend(target, "true", cfg.decoding, compile_ahead=True)
+    server = compile_command.rows_capacity(backend, 96)  # a server row: its context and the slack, in blocks
+    shapes = [(128, 1, 1), (128, 1, 2), (server, 1, 1), (server, 2, 1)]  # (capacity, rows, tokens)
+    assert not any(backend.has_package(*shape) for shape in shapes)
+    compile_command._build_known_shapes(cfg, backend)
+    assert all(backend.has_package(*shape) for shape in shapes)

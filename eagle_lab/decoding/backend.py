@@ -23,7 +23,7 @@ from eagle_lab.decoding.scoring import DynamicScorer, Scorer
 from eagle_lab.decoding.static_cache import EAGER_BLOCK, StaticKVCache
 from eagle_lab.decoding.static_rows import RowScorer, StaticRows
 from eagle_lab.errors import EagleLabError
-from eagle_lab.models.masks import Mask, causal_mask
+from eagle_lab.models.masks import Mask, causal_mask, contiguous
 from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
@@ -211,12 +211,30 @@ class StaticBackend:
         rows, tokens = input_ids.shape
         layer_ids = tuple(layer_ids)
         if self.compile_ahead and self.compiled and not self.runs_eager(rows, tokens, layer_ids):
-            self._compile_every_length(cache, rows, tokens, layer_ids)
+            self.compile_shape(cache, rows, tokens, layer_ids)
         view = cache.view(0, rows, length)
         view.set_length(start)
         return self._steps.run(view, input_ids, positions, mask, layer_ids)
 
-    def _compile_every_length(self, cache: StaticKVCache, rows: int, tokens: int, layer_ids: tuple[int, ...]) -> None:
+    def _last_positions_step(self, cache: StaticKVCache, rows: int, tokens: int, length: int):
+        """A step of rows x tokens over the first `length` positions of `cache` that writes its last ones
+        -> (view, start, input_ids [R, K], positions [R, K], mask [R, 1, K, L])."""
+        device = cache.device
+        start = length - tokens
+        positions = torch.arange(start, length, device=device).repeat(rows, 1)  # [R, K]
+        mask = self.mask(causal_mask(tokens, device), start, length, positions)  # [R, 1, K, L]
+        input_ids = torch.zeros(rows, tokens, dtype=torch.long, device=device)
+        return cache.view(0, rows, length), start, input_ids, positions, mask
+
+    def has_package(self, capacity: int, rows: int, tokens: int, layer_ids: tuple[int, ...] = ()) -> bool:
+        """Whether the package of rows x tokens over a cache of `capacity` positions is on disk here (CPU)."""
+        if not self.packages:
+            return False
+        cache = StaticKVCache(self.target.config, capacity, self.target.device, self.target.dtype, rows=rows)
+        view, _, input_ids, positions, mask = self._last_positions_step(cache, rows, tokens, capacity)
+        return self._steps.has_package(view, input_ids, positions, contiguous(mask), tuple(layer_ids))
+
+    def compile_shape(self, cache: StaticKVCache, rows: int, tokens: int, layer_ids: tuple[int, ...] = ()) -> None:
         """At a step shape's first use on a cache, compile it for every attended length, so that no compile
         falls inside a later round (a timed one, a request's). Each length's graph is called once on the
         cache's own storage; the positions it writes are restored."""
@@ -224,17 +242,12 @@ class StaticBackend:
         if key in self._every_length_compiled:
             return
         self._every_length_compiled.add(key)
-        device = cache.device
         for length in self.attended_lengths(cache.capacity):
             if length < tokens:
                 continue
-            view = cache.view(0, rows, length)
-            start = length - tokens
+            view, start, input_ids, positions, mask = self._last_positions_step(cache, rows, tokens, length)
             tensors = [tensor for layer in view.layers for tensor in (layer.keys, layer.values)]  # [R, kvH, L, D]
             saved = [tensor[:, :, start:].clone() for tensor in tensors]  # what the dummy step overwrites
-            positions = torch.arange(start, length, device=device).repeat(rows, 1)  # [R, K]
-            mask = self.mask(causal_mask(tokens, device), start, length, positions)  # [R, 1, K, L]
-            input_ids = torch.zeros(rows, tokens, dtype=torch.long, device=device)
             view.set_length(start)
             self._steps.run(view, input_ids, positions, mask, layer_ids)
             for tensor, kept in zip(tensors, saved):

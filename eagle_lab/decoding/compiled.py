@@ -170,6 +170,12 @@ class StepCompiler:
         """The store's key of the package that runs `flat` on `args` (the step's tensors, the cache's included)."""
         return self.store.key("target-step", flat, args, self._constants(flat.layer_ids), STEP_SOURCES, dynamic)
 
+    def has_package(self, cache, input_ids, positions, mask, layer_ids: tuple[int, ...]) -> bool:
+        """Whether the package a step on these inputs runs is on disk (nothing is loaded or built)."""
+        args = (input_ids, positions, mask, cache_inputs(cache.hf_cache))
+        flat = FlatStep(self.module, cache, layer_ids)
+        return self.store.has(self._package_key(flat, args, attended_length_dims(args, cache.storage_capacity)))
+
     def has_graphs(self, cache) -> bool:
         """Whether any plain-step package for this target (over caches like `cache`) was built on this machine."""
         if not self.packages:

@@ -72,6 +72,13 @@ class RowScore:
     scored_at: int  # where the tree's K/V was written (P)
 
 
+def rows_capacity(backend: StepBackend, context: int) -> int:
+    """Positions per row of a cache whose sequences hold up to `context` tokens: the context, the backend's
+    slack, in whole blocks."""
+    context = min(context, backend.target.max_context)
+    return -(-(context + backend.slack) // backend.cache_block) * backend.cache_block
+
+
 def row_buckets(rows: int) -> list[int]:
     """Powers of two below `rows`, then `rows`: the row counts a forward runs at."""
     sizes, size = [], 1
@@ -96,8 +103,7 @@ class StaticRows:
             self.context = min(context, self.capacity - backend.slack, self.target.max_context)
         else:
             self.context = min(context, self.target.max_context)
-            block = backend.cache_block
-            self.capacity = -(-(self.context + backend.slack) // block) * block
+            self.capacity = rows_capacity(backend, context)
             self.cache = StaticKVCache(self.target.config, self.capacity, self.target.device, self.target.dtype,
                                        rows=rows)
         if row_counts is not None and not all(0 < count <= rows for count in row_counts):
