@@ -41,6 +41,7 @@ class HeadCard:
     heldout_top1: list[float] = field(default_factory=list)  # by draft position 1, 2, ...
     heldout_conversations: int = 0
     heldout_tau_chain: float = 0.0
+    heldout_opening_top1: float = 0.0  # position 1 over each held-out reply's first 64 supervised tokens
     mtbench_tau: dict[str, dict[str, float]] = field(default_factory=dict)  # tree -> "T=<temperature>" -> tau
     draft_vocab_size: int = 0
     trainable_parameters: int = 0  # what training updated (a draft LM's frozen embeddings and LM head excluded)

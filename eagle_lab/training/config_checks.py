@@ -23,6 +23,12 @@ def check_train_config(cfg) -> None:
     if cfg.trainer.capture_layers not in ("auto", "eagle3"):
         raise EagleLabError(f"trainer.capture_layers must be auto or eagle3, got '{cfg.trainer.capture_layers}'")
     check_kind(cfg.head)
+    loss = cfg.loss
+    if min(loss.accept_weight, loss.distill_top_k, loss.align_top_k, loss.opening_tokens) < 0 \
+            or loss.opening_weight <= 0:
+        raise EagleLabError("loss.accept_weight, distill_top_k, align_top_k and opening_tokens must be >= 0 "
+                            f"(0: off) and loss.opening_weight > 0, got {loss.accept_weight}, {loss.distill_top_k}, "
+                            f"{loss.align_top_k}, {loss.opening_tokens}, {loss.opening_weight}")
     if cfg.data.eval_conversations < 0 or cfg.data.shard_conversations < 1:
         raise EagleLabError("data.eval_conversations must be >= 0 and data.shard_conversations >= 1")
     if cfg.trainer.eval_only and (cfg.trainer.capture_only or cfg.head.kind not in ("eagle2", "eagle3")

@@ -8,6 +8,16 @@ over positions whose f_{p+1} belongs to an assistant token, weighted step_decay 
 The target distribution is restricted to the draft vocabulary (renormalised) when the
 head has a reduced one; verification still uses the full vocabulary, so this only
 changes what the head learns, never the output.
+
+Terms aimed at acceptance rather than likelihood, each off by default:
+  accept_weight    + w * (1 - sum_v min(p_v, q_v)): one minus the probability that a token drawn
+                   from the head is accepted at T=1 (the rejection rule's acceptance).
+  distill_top_k    the cross-entropy sums over the target's K most likely tokens only (HASS):
+                   the head spends no capacity matching the target's tail.
+  align_top_k      step j >= 2 learns only where steps 1..j-1 of the same anchor ranked the target's
+                   token within their top K (GRIFFIN): a draft after a rejected one is never verified.
+  opening_tokens   the first N supervised tokens of each reply weigh opening_weight, where the head
+                   is least sure and a reply's first rounds are decided.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ from eagle_lab.training.draft_lm import DraftLM
 from eagle_lab.training.features import greedy_tokens
 from eagle_lab.training.ttt import unrolled_hidden
 
+OPENING_TOKENS = 64  # a reply's opening for the held-out metric: where the head accepts least
+
 
 @dataclass
 class LossConfig:
@@ -32,6 +44,11 @@ class LossConfig:
     noise_std: float = 0.05  # std of uniform noise on input features (EAGLE: U(-0.1, 0.1))
     step_decay: float = 0.8  # weight of unrolled step j is step_decay ** (j - 1) (EAGLE-3)
     mask_outside_draft_vocab: bool = False  # skip positions whose target token the draft cannot emit
+    accept_weight: float = 0.0  # weight of 1 - sum min(p, q), the head's rejection rate at T=1
+    distill_top_k: int = 0  # > 0: the cross-entropy over the target's K most likely tokens only
+    align_top_k: int = 0  # > 0: step j >= 2 only where the same anchor's earlier steps ranked the token top-K
+    opening_tokens: int = 0  # > 0: the first N supervised tokens of a reply weigh opening_weight
+    opening_weight: float = 1.0
 
 
 @dataclass
@@ -95,6 +112,16 @@ def _weights(batch: Batch, step: int) -> torch.Tensor:
     return w
 
 
+def reply_positions(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool -> [B, T] long: each True's place in its run of Trues (0 at a reply's first
+    supervised token), -1 where False."""
+    index = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)  # [B, T]
+    before = torch.nn.functional.pad(mask[:, :-1], (1, 0), value=False)  # [B, T] mask one place earlier
+    starts = torch.where(mask & ~before, index, torch.zeros_like(index))  # a run's first index, else 0
+    run_start = starts.cummax(dim=1).values  # [B, T] the latest run start at or before each index
+    return torch.where(mask, index - run_start, torch.full_like(index, -1))
+
+
 def _draftable(head, target, batch: Batch) -> torch.Tensor:
     """[B, T-1] 1.0 where the target's greedy token is in the draft vocabulary."""
     goal_token = batch.greedy(target)[:, 1:]  # [B, T-1]
@@ -108,7 +135,25 @@ def _loss_weights(head, target, batch: Batch, cfg: LossConfig, step: int) -> tor
     w = _weights(batch, step)
     if cfg.mask_outside_draft_vocab and head.reduced_vocab:
         w = w * _draftable(head, target, batch)
+    if cfg.opening_tokens > 0:
+        place = reply_positions(batch.loss_mask[:, 1:])  # [B, T-1] place of f_{p+1} in its reply
+        opening = (place >= 0) & (place < cfg.opening_tokens)
+        w = w * torch.where(opening, cfg.opening_weight, 1.0)
     return w
+
+
+def _teacher(p: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[..., Vd] the target's distribution, zero outside its top_k tokens when top_k > 0 (not renormalised:
+    a position whose mass sits in the tail teaches less)."""
+    if top_k <= 0 or top_k >= p.shape[-1]:
+        return p
+    values, indices = p.topk(top_k, dim=-1)
+    return torch.zeros_like(p).scatter_(-1, indices, values)
+
+
+def _ranked(log_q: torch.Tensor, goal: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[B, T-1] bool: the goal token is among the head's top_k draft tokens."""
+    return (log_q.topk(min(top_k, log_q.shape[-1]), dim=-1).indices == goal[..., None]).any(-1)
 
 
 @torch.no_grad()
@@ -130,15 +175,27 @@ def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: Lo
     with torch.no_grad(), torch.autocast(device_type=goal.device.type, enabled=False):  # teacher in full precision
         p = F.linear(batch.top[:, 1:].float(), target_rows.float()).softmax(-1)  # [B, T-1, Vd], not autocast-rounded
         p_top = p.argmax(-1)
+        teacher = _teacher(p, cfg.distill_top_k)
     total, metrics = 0.0, {}
+    aligned = None  # [B, T-1] bool: the same anchor's earlier steps all ranked their token (align_top_k)
     for j, hidden in enumerate(outputs, start=1):
         w = _loss_weights(head, target, batch, cfg, j)
         denom = w.sum().clamp(min=1.0) if denominators is None else float(denominators[j - 1].clamp(min=1.0))
         reg = F.smooth_l1_loss(hidden.float(), goal.float(), reduction="none").mean(-1)  # [B, T-1]
         log_q = head.draft_logits(hidden, target_rows).float().log_softmax(-1)  # [B, T-1, Vd]
-        ce = -(p * log_q).sum(-1)  # [B, T-1]
-        step_loss = ((cfg.reg_weight * reg + cfg.cls_weight * ce) * w).sum() / denom
+        ce = -(teacher * log_q).sum(-1)  # [B, T-1]
+        per_position = cfg.reg_weight * reg + cfg.cls_weight * ce
+        if cfg.accept_weight > 0:
+            overlap = torch.minimum(p, log_q.exp()).sum(-1)  # [B, T-1] P(accept) of a draw from q at T=1
+            per_position = per_position + cfg.accept_weight * (1.0 - overlap)
+        learned = w if aligned is None else w * aligned  # masked: add nothing, still counted (split-invariant)
+        step_loss = (per_position * learned).sum() / denom
         total = total + cfg.step_decay ** (j - 1) * step_loss
+        if cfg.align_top_k > 0:
+            with torch.no_grad():  # step j + 1 at index p continues the anchor of step j at index p - 1
+                ranked = _ranked(log_q, p_top, cfg.align_top_k)
+                aligned = ranked if aligned is None else aligned & ranked
+                aligned = torch.nn.functional.pad(aligned[:, :-1], (1, 0), value=False)
         metrics[f"acc_{j}"] = float(((log_q.argmax(-1) == p_top).float() * w).sum() / denom)
         metrics[f"reg_{j}"] = float((reg.detach() * w).sum() / denom)
         metrics[f"ce_{j}"] = float((ce.detach() * w).sum() / denom)
@@ -149,12 +206,13 @@ def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: Lo
 def heldout_accuracy(head, target, batches, depth: int,
                      total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
     """Top-1 accuracy at draft positions 1..depth against the target's own argmax over the
-    full vocabulary, and the chain tau it implies: 1 + sum_d prod_{i<=d} acc_i. A draft LM
+    full vocabulary, and the chain tau it implies: 1 + sum_d prod_{i<=d} acc_i; eval_acc_1_opening:
+    position 1's accuracy over each reply's first OPENING_TOKENS supervised tokens. A draft LM
     predicts position 1 only here (its deeper positions need its own tokens: the bench measures them).
     total: sums a [depth] count over the ranks that each scored a share of the batches."""
     depth = 1 if isinstance(head, DraftLM) else min(depth, head.arch.num_heads) if isinstance(head, MedusaHeads) \
         else depth
-    hits, counts = torch.zeros(depth), torch.zeros(depth)
+    hits, counts = torch.zeros(depth + 1), torch.zeros(depth + 1)  # the last: position 1 in replies' openings
     rows = draft_lm_head_weight(head, target).to(next(p for p in head.parameters() if p.requires_grad).dtype)
     for batch in batches:
         outputs = _predictions(head, target, batch, depth, 0.0)
@@ -165,11 +223,16 @@ def heldout_accuracy(head, target, batches, depth: int,
             draft_token = head.draft_to_target[draft_ids]
             hits[j - 1] += ((draft_token == target_token) & w).sum().item()
             counts[j - 1] += w.sum().item()
+            if j == 1:
+                opening = w & (reply_positions(batch.loss_mask[:, 1:]) < OPENING_TOKENS)
+                hits[-1] += ((draft_token == target_token) & opening).sum().item()
+                counts[-1] += opening.sum().item()
     if total is not None:
         hits, counts = total(hits), total(counts)
-    acc = (hits / counts.clamp(min=1)).tolist()
+    *acc, opening_acc = (hits / counts.clamp(min=1)).tolist()
     tau, chain = 1.0, 1.0
     for a in acc:
         chain *= a
         tau += chain
-    return {**{f"eval_acc_{j + 1}": a for j, a in enumerate(acc)}, "eval_tau_chain": tau}
+    return {**{f"eval_acc_{j + 1}": a for j, a in enumerate(acc)}, "eval_tau_chain": tau,
+            "eval_acc_1_opening": opening_acc}

@@ -12,7 +12,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -360,6 +360,7 @@ class Recipe:
                           if f"eval_acc_{d}" in self.last_eval],
             heldout_conversations=int(self.last_eval.get("sequences", 0)),
             heldout_tau_chain=round(self.last_eval.get("eval_tau_chain", 0.0), 4),
+            heldout_opening_top1=round(self.last_eval.get("eval_acc_1_opening", 0.0), 4),
             draft_vocab_size=draft_vocab_size(self.head), trainable_parameters=trainable_parameters(self.head),
             data={"name": cfg.data.name, "source": cfg.data.source, "max_length": cfg.data.max_length,
                   "eval_conversations": cfg.data.eval_conversations,
@@ -368,6 +369,7 @@ class Recipe:
             recipe={"lr": cfg.optim.lr, "global_batch": per_step, "warmup_steps": cfg.optim.warmup_steps,
                     "min_lr_ratio": cfg.optim.min_lr_ratio, "epochs": tcfg.epochs,
                     "intermediate_size": cfg.head.intermediate_size, "ttt_steps": cfg.head.ttt_steps,
+                    "loss": asdict(cfg.loss),
                     **({"init_from": tcfg.init_from} if tcfg.init_from else {})},
             command=self.command or "python train.py (overrides not recorded)")
 
