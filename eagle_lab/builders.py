@@ -27,10 +27,12 @@ from eagle_lab.drafters.medusa.layout import load_any_medusa
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.device import drafting_dtype, integer_dot_products
+from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.stable_linear import FORMATS, convert_module_linears
 from eagle_lab.models.target import Target, TargetConfig, load_target
-from eagle_lab.tree_search.auto import auto_tree
-from eagle_lab.tree_search.online import ONLINE_DEPTH, ChainController
+from eagle_lab.tree_search.auto import auto_tree, calibration_fingerprint, calibration_prompts
+from eagle_lab.tree_search.online import ONLINE_DEPTH, ChainController, ChainMemory, card_prior, round_costs
+from eagle_lab.tree_search.space import TreeSearchConfig
 
 log = logging.getLogger(__name__)
 PACKAGED_HEADS = Path(__file__).parent / "assets" / "heads"
@@ -90,11 +92,23 @@ def head_storage(cfg: HeadConfig) -> str:
     return FORMATS[cfg.draft_weights][0]
 
 
+def _head_path(cfg: HeadConfig, target: Target) -> str:
+    """head.path, or the packaged head's directory when it is empty ("random" when there is none)."""
+    if cfg.path != "":
+        return cfg.path
+    packaged = packaged_head_dir(target.name, cfg.kind)
+    return str(packaged) if packaged else "random"
+
+
+def head_prior(cfg: HeadConfig, target: Target) -> list[float] | None:
+    """The acceptance by draft depth the head's card promises (tree=online's starting point); None without one."""
+    path = _head_path(cfg, target)
+    card = None if path == "random" else read_card(path)
+    return card_prior(card.heldout_top1) if card is not None and card.heldout_top1 else None
+
+
 def _load_or_new_head(cfg: HeadConfig, target: Target) -> EagleHead:
-    path = cfg.path
-    if path == "":
-        packaged = packaged_head_dir(target.name, cfg.kind)
-        path = str(packaged) if packaged else "random"
+    path = _head_path(cfg, target)
     if path == "random":
         log.warning("!" * 72)
         log.warning("NO TRAINED HEAD for target '%s': drafting with a RANDOM head. Output is still exact,", target.name)
@@ -125,8 +139,10 @@ def build_decoder(method: str, target: Target, drafter: Drafter | None, prompt_i
 
 def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
                   ngram: NgramProposer | None = None, backend: Backend | None = None,
-                  planned_tokens: int | None = None, temperatures: Sequence[float] = (0.0,)) -> EagleDrafter:
-    """A drafter with a fixed tree, or with the shape tree=auto measures for this device.
+                  planned_tokens: int | None = None, temperatures: Sequence[float] = (0.0,),
+                  prior: list[float] | None = None) -> EagleDrafter:
+    """A drafter with a fixed tree, with the shape tree=auto measures for this device, or (tree=online) with a
+    chain length chosen each round, starting from `prior`, the acceptance by depth the head promises.
 
     ngram: merge n-gram branches into every tree (hybrid drafting); under tree=auto its chain
     length is searched too (up to ngram.max_tokens), and it may be switched off or used alone.
@@ -143,12 +159,7 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
     if tree.quick_below_tokens < 0:
         raise EagleLabError(f"tree.quick_below_tokens must be >= 0, got {tree.quick_below_tokens}")
     if tree.online:
-        depth = tree.depth or ONLINE_DEPTH
-        if depth < 1:
-            raise EagleLabError(f"tree.online=true needs tree.depth >= 1 (the longest chain; 0: {ONLINE_DEPTH}), "
-                                f"got {tree.depth}")
-        return eagle_drafter(head, target, TreeShape(depth, 1, depth), ngram, backend, tree.sampled_drafts,
-                             ChainController(depth))
+        return online_drafter(head, target, tree, ngram, backend, prior)
     if not tree.auto:
         if not (tree.depth and tree.topk and tree.total_tokens):
             raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")
@@ -160,6 +171,22 @@ def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
     quick = planned_tokens is not None and planned_tokens < tree.quick_below_tokens
     auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend, quick=quick, temperatures=temperatures,
               sampled_min_gain=tree.sampled_min_gain)
+    return drafter
+
+
+def online_drafter(head: EagleHead, target: Target, tree: TreeConfig, ngram: NgramProposer | None,
+                   backend: Backend | None, prior: list[float] | None) -> EagleDrafter:
+    """A drafter whose chain length a controller chooses each round, from the cost curve of this machine (timed
+    once, cached with tree=auto's calibration) and the acceptance its requests show (from the card's prior)."""
+    depth = tree.depth or ONLINE_DEPTH
+    if depth < 1:
+        raise EagleLabError(f"tree.online=true needs tree.depth >= 1 (the longest chain; 0: {ONLINE_DEPTH}), "
+                            f"got {tree.depth}")
+    drafter = eagle_drafter(head, target, TreeShape(depth, 1, depth), ngram, backend, tree.sampled_drafts)
+    digest = calibration_fingerprint(target, drafter, TreeSearchConfig(), ngram, backend)
+    path = cache_root() / "tree_auto" / f"{target.name}-online{depth}-{digest}.json"
+    memory = ChainMemory(round_costs(target, drafter, calibration_prompts(target), depth, path, backend))
+    drafter.control(ChainController(depth, memory, prior))
     return drafter
 
 
@@ -190,7 +217,7 @@ def make_drafter(cfg: ServeConfig, target: Target, backend: Backend | None = Non
     if cfg.method == "eagle":
         proposer = ngram_proposer(cfg.ngram) if cfg.ngram.enabled else None
         return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer, backend, planned_tokens,
-                             (cfg.temperature,) if temperatures is None else temperatures)
+                             (cfg.temperature,) if temperatures is None else temperatures, head_prior(cfg.head, target))
     if cfg.method == "ngram":
         return NgramDrafter(ngram_proposer(cfg.ngram))
     if cfg.method == "draft_model":

@@ -108,3 +108,33 @@ def test_bad_acceptance_settings_are_refused(override):
         setattr(cfg.loss, key, value)
     with pytest.raises(EagleLabError, match="loss."):
         check_train_config(cfg)
+
+
+class LogitsHeadWithWeights(LogitsHead, torch.nn.Module):
+    """The fake head as a module (held-out scoring reads its dtype) with a full draft vocabulary."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+        self.scale = torch.nn.Parameter(torch.ones(()))
+        self.register_buffer("draft_to_target", torch.arange(3))
+
+
+def test_held_out_tau_counts_the_leading_run_of_right_drafts(monkeypatch):
+    # the target's tokens at positions 1..4: 0, 1, 2, 0; step 1 drafts 0, 1, 0, 0 (3 of 4 right);
+    # step 2 at index i continues anchor i - 1: drafts -, 0, 2, 0 -> right at indices 2, 3 (2 of 3)
+    # but anchor 2's first draft was wrong, so only anchor 1 accepts two drafts
+    one_hot = {0: (0.8, 0.1, 0.1), 1: (0.1, 0.8, 0.1), 2: (0.1, 0.1, 0.8)}
+    step1 = [one_hot[t] for t in (0, 1, 0, 0)]
+    step2 = [one_hot[t] for t in (1, 0, 2, 0)]
+    outputs = [_logits(*step)[None] for step in (step1, step2)]
+    monkeypatch.setattr(losses, "_predictions", lambda *args: outputs)
+    batch = _batch([P] * 4)
+    batch.target_token = torch.tensor([[0, 0, 1, 2, 0]])
+    lm_head = torch.nn.Linear(3, 3, bias=False)
+    lm_head.weight.data = ROWS.clone()
+    target = type("Target", (), {"lm_head": lm_head})()
+    result = losses.heldout_accuracy(LogitsHeadWithWeights(), target, [batch], depth=2)
+    assert result["eval_acc_1"] == pytest.approx(3 / 4) and result["eval_acc_2"] == pytest.approx(2 / 3)
+    assert result["eval_tau_chain"] == pytest.approx(1 + 3 / 4 + 3 / 4 * 2 / 3)
+    assert result["eval_tau_accepted"] == pytest.approx(1 + 3 / 4 + 1 / 4)
+    assert result["eval_acc_1_opening"] == pytest.approx(3 / 4)  # every position is within a reply's opening

@@ -11,6 +11,7 @@ from eagle_lab.builders import (
     build_drafter,
     build_head,
     build_medusa_drafter,
+    head_prior,
     ngram_proposer,
 )
 from eagle_lab.config import HeadConfig, ServeConfig, TreeConfig
@@ -68,11 +69,10 @@ def build_drafters(cfg: ServeConfig, target: Target, backend: Backend | None = N
         base, preset = split_method(method)
         tree = tree_preset(preset) if preset else cfg.tree
         head = heads.get(method_head(method))
-        if base == "eagle":
-            drafters[method] = build_drafter(head, target, tree, backend=backend, temperatures=cfg.bench.temperatures)
-        elif base == "eagle+ngram":
-            drafters[method] = build_drafter(head, target, tree, ngram_proposer(cfg.ngram), backend,
-                                             temperatures=cfg.bench.temperatures)
+        if base in ("eagle", "eagle+ngram"):
+            proposer = ngram_proposer(cfg.ngram) if base == "eagle+ngram" else None
+            drafters[method] = build_drafter(head, target, tree, proposer, backend, temperatures=cfg.bench.temperatures,
+                                             prior=head_prior(head_config(cfg, method_head(method)), target))
         elif base == "ngram":
             drafters[method] = NgramDrafter(ngram_proposer(cfg.ngram))
         elif base == "draft_model":

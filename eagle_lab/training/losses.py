@@ -205,34 +205,44 @@ def training_loss(head, target, target_rows: torch.Tensor, batch: Batch, cfg: Lo
 @torch.no_grad()
 def heldout_accuracy(head, target, batches, depth: int,
                      total: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-    """Top-1 accuracy at draft positions 1..depth against the target's own argmax over the
-    full vocabulary, and the chain tau it implies: 1 + sum_d prod_{i<=d} acc_i; eval_acc_1_opening:
-    position 1's accuracy over each reply's first OPENING_TOKENS supervised tokens. A draft LM
-    predicts position 1 only here (its deeper positions need its own tokens: the bench measures them).
-    total: sums a [depth] count over the ranks that each scored a share of the batches."""
+    """Top-1 accuracy at draft positions 1..depth against the target's own argmax over the full vocabulary, and
+    - eval_tau_chain: the chain tau those accuracies imply, 1 + sum_d prod_{i<=d} acc_i;
+    - eval_tau_accepted: 1 + the mean number of leading drafts of a depth-long chain that equal the target's
+      tokens, per anchor (what greedy verification accepts; unlike the product, it sees whether a later draft
+      is right after the earlier ones were);
+    - eval_acc_1_opening: position 1's accuracy over each reply's first OPENING_TOKENS supervised tokens.
+    A draft LM predicts position 1 only here (its deeper positions need its own tokens: the bench measures them).
+    total: sums a count vector over the ranks that each scored a share of the batches."""
     depth = 1 if isinstance(head, DraftLM) else min(depth, head.arch.num_heads) if isinstance(head, MedusaHeads) \
         else depth
-    hits, counts = torch.zeros(depth + 1), torch.zeros(depth + 1)  # the last: position 1 in replies' openings
+    # [depth] hits per position, [depth] leading runs of hits, [1] position 1 in replies' openings
+    hits, counts = torch.zeros(2 * depth + 1), torch.zeros(2 * depth + 1)
     rows = draft_lm_head_weight(head, target).to(next(p for p in head.parameters() if p.requires_grad).dtype)
     for batch in batches:
         outputs = _predictions(head, target, batch, depth, 0.0)
         target_token = batch.greedy(target)[:, 1:]  # [B, T-1]
+        anchors = _weights(batch, 1).bool()  # [B, T-1]
+        leading = None  # [B, T-1] steps 1..j of the anchor p - j + 1 all right
         for j, hidden in enumerate(outputs, start=1):
             w = _weights(batch, j).bool()
             draft_ids = head.draft_logits(hidden, rows).argmax(-1)
-            draft_token = head.draft_to_target[draft_ids]
-            hits[j - 1] += ((draft_token == target_token) & w).sum().item()
+            right = (head.draft_to_target[draft_ids] == target_token) & w  # [B, T-1]
+            leading = right if leading is None else right & torch.nn.functional.pad(leading[:, :-1], (1, 0))
+            hits[j - 1] += right.sum().item()
             counts[j - 1] += w.sum().item()
+            hits[depth + j - 1] += leading.sum().item()
+            counts[depth + j - 1] += anchors.sum().item()
             if j == 1:
                 opening = w & (reply_positions(batch.loss_mask[:, 1:]) < OPENING_TOKENS)
-                hits[-1] += ((draft_token == target_token) & opening).sum().item()
+                hits[-1] += (right & opening).sum().item()
                 counts[-1] += opening.sum().item()
     if total is not None:
         hits, counts = total(hits), total(counts)
-    *acc, opening_acc = (hits / counts.clamp(min=1)).tolist()
+    rates = (hits / counts.clamp(min=1)).tolist()
+    acc, runs, opening_acc = rates[:depth], rates[depth: 2 * depth], rates[-1]
     tau, chain = 1.0, 1.0
     for a in acc:
         chain *= a
         tau += chain
     return {**{f"eval_acc_{j + 1}": a for j, a in enumerate(acc)}, "eval_tau_chain": tau,
-            "eval_acc_1_opening": opening_acc}
+            "eval_tau_accepted": 1.0 + sum(runs), "eval_acc_1_opening": opening_acc}

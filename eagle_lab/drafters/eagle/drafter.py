@@ -132,6 +132,11 @@ class EagleDrafter:
         """The committed sequence's pairs, while a batch holds them in its own cache (batched drafting)."""
         self.committed = pairs
 
+    def control(self, controller: ChainControl | None) -> None:
+        """Let `controller` choose each round's chain length from the next sequence on (None: draft `shape`)."""
+        self.controller = controller
+        self.reset()
+
     def reset(self) -> None:
         self.cache = self.new_cache()
         self.committed = 0
