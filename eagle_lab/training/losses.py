@@ -210,13 +210,16 @@ def heldout_accuracy(head, target, batches, depth: int,
     - eval_tau_accepted: 1 + the mean number of leading drafts of a depth-long chain that equal the target's
       tokens, per anchor (what greedy verification accepts; unlike the product, it sees whether a later draft
       is right after the earlier ones were);
-    - eval_acc_1_opening: position 1's accuracy over each reply's first OPENING_TOKENS supervised tokens.
+    - eval_acc_1_opening: position 1's accuracy over each reply's first OPENING_TOKENS supervised tokens;
+    - eval_overlap_1: position 1's sum_v min(p_v, q_v), the chance that a draft drawn from the head at T=1 is
+      accepted, p the target's distribution renormalised over the draft vocabulary (so an upper bound where the
+      vocabulary is reduced).
     A draft LM predicts position 1 only here (its deeper positions need its own tokens: the bench measures them).
     total: sums a count vector over the ranks that each scored a share of the batches."""
     depth = 1 if isinstance(head, DraftLM) else min(depth, head.arch.num_heads) if isinstance(head, MedusaHeads) \
         else depth
-    # [depth] hits per position, [depth] leading runs of hits, [1] position 1 in replies' openings
-    hits, counts = torch.zeros(2 * depth + 1), torch.zeros(2 * depth + 1)
+    # [depth] hits per position, [depth] leading runs of hits, [1] position 1 in replies' openings, [1] overlap
+    hits, counts = torch.zeros(2 * depth + 2), torch.zeros(2 * depth + 2)
     rows = draft_lm_head_weight(head, target).to(next(p for p in head.parameters() if p.requires_grad).dtype)
     for batch in batches:
         outputs = _predictions(head, target, batch, depth, 0.0)
@@ -225,8 +228,8 @@ def heldout_accuracy(head, target, batches, depth: int,
         leading = None  # [B, T-1] steps 1..j of the anchor p - j + 1 all right
         for j, hidden in enumerate(outputs, start=1):
             w = _weights(batch, j).bool()
-            draft_ids = head.draft_logits(hidden, rows).argmax(-1)
-            right = (head.draft_to_target[draft_ids] == target_token) & w  # [B, T-1]
+            logits = head.draft_logits(hidden, rows).float()  # [B, T-1, Vd]
+            right = (head.draft_to_target[logits.argmax(-1)] == target_token) & w  # [B, T-1]
             leading = right if leading is None else right & torch.nn.functional.pad(leading[:, :-1], (1, 0))
             hits[j - 1] += right.sum().item()
             counts[j - 1] += w.sum().item()
@@ -234,15 +237,19 @@ def heldout_accuracy(head, target, batches, depth: int,
             counts[depth + j - 1] += anchors.sum().item()
             if j == 1:
                 opening = w & (reply_positions(batch.loss_mask[:, 1:]) < OPENING_TOKENS)
-                hits[-1] += (right & opening).sum().item()
-                counts[-1] += opening.sum().item()
+                hits[-2] += (right & opening).sum().item()
+                counts[-2] += opening.sum().item()
+                p = F.linear(batch.top[:, 1:].float(), rows.float()).softmax(-1)  # [B, T-1, Vd]
+                overlap = torch.minimum(p, logits.softmax(-1)).sum(-1)  # [B, T-1]
+                hits[-1] += (overlap * w).sum().item()
+                counts[-1] += w.sum().item()
     if total is not None:
         hits, counts = total(hits), total(counts)
     rates = (hits / counts.clamp(min=1)).tolist()
-    acc, runs, opening_acc = rates[:depth], rates[depth: 2 * depth], rates[-1]
+    acc, runs, (opening_acc, overlap) = rates[:depth], rates[depth: 2 * depth], rates[-2:]
     tau, chain = 1.0, 1.0
     for a in acc:
         chain *= a
         tau += chain
     return {**{f"eval_acc_{j + 1}": a for j, a in enumerate(acc)}, "eval_tau_chain": tau,
-            "eval_tau_accepted": 1.0 + sum(runs), "eval_acc_1_opening": opening_acc}
+            "eval_tau_accepted": 1.0 + sum(runs), "eval_acc_1_opening": opening_acc, "eval_overlap_1": overlap}
