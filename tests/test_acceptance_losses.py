@@ -138,5 +138,5 @@ def test_held_out_tau_counts_the_leading_run_of_right_drafts(monkeypatch):
     assert result["eval_tau_chain"] == pytest.approx(1 + 3 / 4 + 3 / 4 * 2 / 3)
     assert result["eval_tau_accepted"] == pytest.approx(1 + 3 / 4 + 1 / 4)
     assert result["eval_acc_1_opening"] == pytest.approx(3 / 4)  # every position is within a reply's opening
-    # p = P everywhere; q = (0.8, 0.1, 0.1) three times (overlap 0.5 + 0.1 + 0.1), (0.1, 0.8, 0.1) once (0.1 + 0.3 + 0.1)
+    # p = P everywhere; q = (0.8, 0.1, 0.1) three times (overlap 0.5 + 0.1 + 0.1), (0.1, 0.8, 0.1) once (0.5)
     assert result["eval_overlap_1"] == pytest.approx((3 * 0.7 + 0.5) / 4)
