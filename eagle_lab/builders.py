@@ -31,7 +31,7 @@ from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.stable_linear import FORMATS, convert_module_linears
 from eagle_lab.models.target import Target, TargetConfig, load_target
 from eagle_lab.tree_search.auto import auto_tree, calibration_fingerprint, calibration_prompts
-from eagle_lab.tree_search.online import ONLINE_DEPTH, ChainController, ChainMemory, card_prior, round_costs
+from eagle_lab.tree_search.online import ONLINE_DEPTH, ChainController, card_prior, cost_curve
 from eagle_lab.tree_search.space import TreeSearchConfig
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def online_drafter(head: EagleHead, target: Target, tree: TreeConfig, ngram: Ngr
     drafter = eagle_drafter(head, target, TreeShape(depth, 1, depth), ngram, backend, tree.sampled_drafts)
     digest = calibration_fingerprint(target, drafter, TreeSearchConfig(), ngram, backend)
     path = cache_root() / "tree_auto" / f"{target.name}-online{depth}-{digest}.json"
-    memory = ChainMemory(round_costs(target, drafter, calibration_prompts(target), depth, path, backend))
+    memory = cost_curve(target, drafter, calibration_prompts(target), depth, path, backend)
     drafter.control(ChainController(depth, memory, prior))
     return drafter
 

@@ -16,7 +16,7 @@ from eagle_lab.tree_search.online import (
     TakeTurns,
     card_prior,
     measure_round_costs,
-    round_costs,
+    cost_curve,
 )
 
 
@@ -33,12 +33,12 @@ def test_it_drafts_longer_as_acceptance_climbs_and_stops_where_nothing_pays():
     # a plain step 10 ms; a chain of L costs 13 + 2 L ms (a round's fixed cost, then each level)
     controller = ChainController(max_depth=4, memory=costs(10, 15, 17, 19, 21), prior=[0.5])
     feed(controller, 4, 0, 40)  # the head is never right: drafting does not pay
-    assert controller.choose() == 0
+    assert controller.choose() == (0, 0)
     controller.reset()
     feed(controller, 4, 1, 40)  # depth 1 always, depth 2 never: a chain of one
-    assert controller.choose() == 1
+    assert controller.choose() == (1, 0)
     feed(controller, 4, 4, 200)  # then it is always right: the longest chain
-    assert controller.choose() == 4
+    assert controller.choose() == (4, 0)
     expected = controller.expected_tokens()
     assert expected[0] == 1.0 and expected[4] > 4.4
 
@@ -47,17 +47,17 @@ def test_the_choice_is_the_most_expected_tokens_per_millisecond():
     controller = ChainController(max_depth=2, memory=costs(10, 14, 17), prior=[0.5, 0.8])
     # tokens 1, 1.5, 1.9 over 10, 14, 17 ms: 0.100, 0.107, 0.112 per ms
     assert controller.expected_tokens() == pytest.approx([1.0, 1.5, 1.9])
-    assert controller.choose() == 2
+    assert controller.choose() == (2, 0)
     cheaper_plain = ChainController(max_depth=2, memory=costs(8, 14, 17), prior=[0.5, 0.8])
-    assert cheaper_plain.choose() == 0  # 0.125 per ms
+    assert cheaper_plain.choose() == (0, 0)  # 0.125 per ms
 
 
 def test_it_follows_the_reply_not_its_whole_history():
     controller = ChainController(max_depth=2, memory=costs(10, 13, 15), half_life=8)
     feed(controller, 2, 0, 100)
-    assert controller.choose() == 0
+    assert controller.choose() == (0, 0)
     feed(controller, 2, 2, 24)  # three half-lives of a head that is right
-    assert controller.choose() == 2
+    assert controller.choose() == (2, 0)
 
 
 def test_drafting_comes_back_on_after_a_stretch_without_drafts():
@@ -69,7 +69,7 @@ def test_drafting_comes_back_on_after_a_stretch_without_drafts():
     feed(controller, 1, 0, 20)  # this reply rejects every draft: drafting off
     chosen = []
     for _ in range(80):
-        chosen.append(controller.choose())
+        chosen.append(controller.choose()[0])
         controller.observe(chosen[-1], 0)
     first_back = chosen.index(1)
     assert chosen[:first_back] == [0] * first_back and first_back > 8  # off for a while, then tried again
@@ -110,7 +110,7 @@ def test_a_head_cards_accuracy_by_position_becomes_acceptance_by_depth():
 
 def test_taking_turns_drafts_nothing_twice_then_every_length_twice():
     turns = TakeTurns(3)
-    assert [turns.choose() for _ in range(16)] == [0, 0, 1, 2, 3, 1, 2, 3] * 2
+    assert [turns.choose(proposed=4) for _ in range(16)] == [(length, 0) for length in [0, 0, 1, 2, 3, 1, 2, 3] * 2]
 
 
 def _drafter(target, controller=None):
@@ -138,8 +138,68 @@ def test_the_cost_curve_times_every_length_and_is_cached(tiny_target, tmp_path, 
     measured = []
     monkeypatch.setattr(online, "measure_round_costs", lambda *args: measured.append(1) or {0: 1.0, 1: 2.0})
     path = tmp_path / "curve.json"
-    assert round_costs(tiny_target, drafter, [], 1, path) == {0: 1.0, 1: 2.0}
-    assert round_costs(tiny_target, drafter, [], 1, path) == {0: 1.0, 1: 2.0} and len(measured) == 1
+    assert cost_curve(tiny_target, drafter, [], 1, path).ms == {0: 1.0, 1: 2.0}
+    assert cost_curve(tiny_target, drafter, [], 1, path).ms == {0: 1.0, 1: 2.0} and len(measured) == 1
+    assert cost_curve(tiny_target, drafter, [], 1, path).forward_ms == {}  # no n-gram proposer: no forward curve
     with pytest.raises(ValueError, match="no timed round"):
-        round_costs(tiny_target, drafter, [], 2, tmp_path / "other.json")
+        cost_curve(tiny_target, drafter, [], 2, tmp_path / "other.json")
 
+
+
+def with_forward(memory: ChainMemory, *ms: float) -> ChainMemory:
+    memory.forward_ms = {k: value for k, value in enumerate(ms, start=1)}
+    return memory
+
+
+def test_a_round_with_an_ngram_chain_emits_the_longer_accepted_prefix():
+    controller = ChainController(max_depth=1, memory=costs(10, 12), prior=[0.5])
+    # head: P(first accepted) 0.5; chain of 2 at the prior 0.5 each: P(first) 0.5, P(both) 0.25
+    # token 1 is missed by both with 0.5 * 0.5, token 2 reached only by the chain: 1 + 0.75 + 0.25
+    assert controller.expected_tokens(chain=2) == pytest.approx([1.75, 2.0])
+    assert controller.expected_tokens(chain=0) == pytest.approx([1.0, 1.5])
+
+
+def test_an_ngram_chain_is_merged_as_far_as_its_acceptance_pays_for_its_tokens():
+    # a forward over 1, 2, 3, ... tokens: 10, 11, 12, ... ms (each token 1 ms); the head's chain costs 12 ms
+    controller = ChainController(max_depth=1, memory=with_forward(costs(10, 12), *range(10, 20)), prior=[0.1])
+    for _ in range(60):  # chains of 4 whose tokens are always right
+        controller.observe(0, 0, chain=4, chain_accepted=4)
+    assert controller.choose(proposed=4) == (0, 4)
+    controller.reset()
+    for _ in range(60):  # chains whose first token is never right
+        controller.observe(0, 0, chain=4, chain_accepted=0)
+    assert controller.choose(proposed=4) == (0, 0)
+    controller.reset()
+    for _ in range(60):  # right for two tokens, never the third
+        controller.observe(0, 0, chain=4, chain_accepted=2)
+    assert controller.choose(proposed=4) == (0, 2)
+    no_curve = ChainController(max_depth=1, memory=costs(10, 12))
+    assert no_curve.choose(proposed=4)[1] == 0  # without a forward curve no chain is priced, none merged
+
+
+def test_online_hybrid_decoding_is_lossless_and_merges_chains(tiny_target):
+    from eagle_lab.drafters.ngram import NgramProposer
+
+    class EchoProposer(NgramProposer):
+        """Proposes the last four tokens again, every round (a random target rarely repeats itself)."""
+
+        def propose(self, sequence):
+            return sequence[-4:].tolist()
+
+    prompt = torch.tensor([5, 9, 3, 17, 2, 11])
+    plain = generate(vanilla_decode(tiny_target, prompt, SamplingParams(), Stopper(tiny_target.tokenizer, 48, set())))
+    controller = ChainController(max_depth=2, memory=with_forward(costs(10, 12, 14), *range(10, 30)), prior=[0.3])
+    merged = []
+    observe = controller.observe
+
+    def record(length, accepted, ms=None, chain=0, chain_accepted=0):
+        merged.append(chain)
+        observe(length, accepted, ms, chain, chain_accepted)
+
+    controller.observe = record
+    drafter = EagleDrafter(new_head(tiny_target, seed=1), tiny_target, TreeShape(2, 1, 2), EchoProposer(2, 4, 4),
+                           controller=controller)
+    result = generate(speculative_decode(tiny_target, drafter, prompt, SamplingParams(),
+                                         Stopper(tiny_target.tokenizer, 48, set())))
+    assert result.token_ids == plain.token_ids
+    assert merged[0] > 0 and 0 in merged  # chains merged on the prior, then dropped when never accepted

@@ -46,12 +46,14 @@ def untuned_shape(method: str, auto: bool, depth: int, topk: int, total_tokens: 
 class ChainControl(Protocol):
     """Chooses each round's chain length online (eagle_lab/tree_search/online.py, tree.online=true)."""
 
-    def choose(self, temperature: float = 0.0) -> int:
-        """The next round's chain length (0: no draft) for a sequence sampling at `temperature` (0: greedy)."""
+    def choose(self, temperature: float = 0.0, proposed: int = 0) -> tuple[int, int]:
+        """The next round's (chain length, 0: no draft; how many of the `proposed` n-gram tokens to merge) for a
+        sequence sampling at `temperature` (0: greedy)."""
         ...
 
-    def observe(self, length: int, accepted: int, ms: float | None) -> None:
-        """The last round drafted `length`, accepted `accepted` of it and took `ms` (None: not to be timed)."""
+    def observe(self, length: int, accepted: int, ms: float | None, chain: int = 0, chain_accepted: int = 0) -> None:
+        """The last round drafted `length` and accepted the first `accepted`, merged `chain` n-gram tokens and
+        accepted their first `chain_accepted`, and took `ms` (None: not to be timed)."""
         ...
 
     def reset(self) -> None:

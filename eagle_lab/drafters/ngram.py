@@ -78,6 +78,16 @@ def copy_forward(tail: list[int], count: int) -> list[int]:
     return out
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens of `a` equal `b`'s (a chain's tokens a round accepted)."""
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
 def merge_chain(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
     """Merge a chain of proposed tokens (continuing the root) into `tree`.
 

@@ -14,6 +14,12 @@ whole reply. The controller keeps, per chain length L (0 = no draft, then 1 .. m
 It picks argmax_L (1 + sum_{j <= L} prod_{i <= j} a_i) / cost_L. Every round ages the evidence at every depth,
 drafted or not, so after a stretch without drafts the acceptance returns towards the prior and drafting is
 tried again where it would pay again.
+
+With hybrid drafting the n-gram chain a round proposes is priced the same way: its acceptance by position
+(this request's, from NGRAM_PRIOR), its cost the target's forward over the extra tokens (a forward curve timed
+with the cost curve). The round takes the chain length L and the chain's first m tokens with the most expected
+tokens per ms, a round's tokens being one plus the longer of the head's and the chain's accepted prefixes
+(the two taken as independent).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ PRIOR_WEIGHT = 4.0  # rounds' worth of evidence the prior counts for
 LONG_RUN_DECAY = 0.5 ** (1 / 512)  # the shared acceptance: an observation counts half after 512 more
 LONG_RUN_MIN = 8.0  # observations at a depth before the shared acceptance there is used as a prior
 TIMED_ROUNDS = 24  # timed rounds per chain length in the cost curve
+NGRAM_PRIOR = 0.5  # an n-gram chain's acceptance at each position before this request showed its own
+NGRAM_POSITIONS = 16  # chain positions whose acceptance is kept (longer chains reuse the last)
 
 
 @dataclass
@@ -43,6 +51,7 @@ class ChainMemory:
     depth at each temperature over all of them."""
 
     ms: dict[int, float] = field(default_factory=dict)  # chain length -> ms per round
+    forward_ms: dict[int, float] = field(default_factory=dict)  # K scored tokens -> ms (n-gram chains' cost)
     accepted: dict[float, list[float]] = field(default_factory=dict)  # temperature -> aging counts by depth
     reached: dict[float, list[float]] = field(default_factory=dict)
 
@@ -98,6 +107,8 @@ class ChainController:
         """A new request: acceptance goes back to the prior; costs are kept."""
         self.accepted = [0.0] * self.max_depth  # decayed count of rounds that accepted depth d + 1
         self.reached = [0.0] * self.max_depth  # decayed count of rounds that drafted depth d + 1 and reached it
+        self.chain_accepted = [0.0] * NGRAM_POSITIONS  # the same for the n-gram chain's positions
+        self.chain_reached = [0.0] * NGRAM_POSITIONS
         self.temperature: float | None = None  # set by the request's first choose()
         self.prior = self.default
 
@@ -106,39 +117,73 @@ class ChainController:
         return [(self.accepted[d] + PRIOR_WEIGHT * self.prior[d]) / (self.reached[d] + PRIOR_WEIGHT)
                 for d in range(self.max_depth)]
 
-    def expected_tokens(self) -> list[float]:
-        """Tokens a round of each length emits on average (the bonus token included)."""
-        out, alive, total = [1.0], 1.0, 1.0
-        for a in self.acceptance():
-            alive *= a
-            total += alive
-            out.append(total)
+    def chain_acceptance(self) -> list[float]:
+        """P(n-gram position i accepted | position i - 1 accepted), i = 1 .. NGRAM_POSITIONS."""
+        return [(self.chain_accepted[i] + PRIOR_WEIGHT * NGRAM_PRIOR) / (self.chain_reached[i] + PRIOR_WEIGHT)
+                for i in range(NGRAM_POSITIONS)]
+
+    def expected_tokens(self, chain: int = 0) -> list[float]:
+        """Tokens a round of each length emits on average (the bonus token included), with the first `chain`
+        tokens of an n-gram chain merged in."""
+        head = _survival(self.acceptance())  # [max_depth] P(the head's first d + 1 drafts accepted)
+        by_position = self.chain_acceptance()
+        copied = _survival([by_position[min(i, NGRAM_POSITIONS - 1)] for i in range(chain)])  # [chain]
+        out = []
+        for length in range(self.max_depth + 1):
+            # P(a round's k-th token is accepted) = 1 - P(neither the head's nor the chain's prefix reaches it)
+            missed = [(1.0 - (head[k] if k < length else 0.0)) * (1.0 - (copied[k] if k < chain else 0.0))
+                      for k in range(max(length, chain))]
+            out.append(1.0 + sum(1.0 - m for m in missed))
         return out
 
-    def rates(self) -> dict[int, float]:
-        """Expected tokens per ms of every length."""
-        tokens = self.expected_tokens()
-        return {length: tokens[length] / self.memory.ms[length] for length in range(self.max_depth + 1)}
+    def round_ms(self, length: int, chain: int) -> float:
+        """A round's cost: the curve's for `length`, plus the target's forward over `chain` more tokens."""
+        if chain == 0:
+            return self.memory.ms[length]
+        forward = self.memory.forward_ms
+        widest = max(forward)
+        return self.memory.ms[length] + forward[min(1 + length + chain, widest)] - forward[min(1 + length, widest)]
 
-    def choose(self, temperature: float = 0.0) -> int:
-        """The chain length of the next round of a request sampling at `temperature` (0: greedy)."""
+    def rates(self, chain: int = 0) -> dict[int, float]:
+        """Expected tokens per ms of every length (with the first `chain` n-gram tokens merged)."""
+        tokens = self.expected_tokens(chain)
+        return {length: tokens[length] / self.round_ms(length, chain) for length in range(self.max_depth + 1)}
+
+    def choose(self, temperature: float = 0.0, proposed: int = 0) -> tuple[int, int]:
+        """(chain length, n-gram tokens to merge of the `proposed` ones) for the next round of a request
+        sampling at `temperature` (0: greedy)."""
         if self.temperature is None:  # the request's first round: start from what earlier ones accepted
             self.temperature = temperature
             self.prior = [min(max(a, 0.01), 0.99)
                           for a in self.memory.prior(temperature, self.max_depth, self.default)]
-        rates = self.rates()
-        return max(rates, key=lambda length: (rates[length], -length))
+        chains = range(proposed + 1) if self.memory.forward_ms else range(1)
+        rates = {(length, chain): rate for chain in chains for length, rate in self.rates(chain).items()}
+        return max(rates, key=lambda choice: (rates[choice], -choice[0], -choice[1]))
 
-    def observe(self, length: int, accepted: int, ms: float | None = None) -> None:
-        """A round that drafted a chain of `length` and accepted `accepted` of it (ms: its time, unused: the
-        costs are the curve's)."""
-        for depth in range(self.max_depth):  # every round ages every depth's evidence
-            self.reached[depth] *= self.decay
-            self.accepted[depth] *= self.decay
+    def observe(self, length: int, accepted: int, ms: float | None = None, chain: int = 0,
+                chain_accepted: int = 0) -> None:
+        """A round that drafted a chain of `length` and accepted the first `accepted` of it, and merged `chain`
+        n-gram tokens of which the first `chain_accepted` were accepted (ms: its time, unused: the costs are
+        the curve's)."""
+        for counts in (self.reached, self.accepted, self.chain_reached, self.chain_accepted):
+            for i in range(len(counts)):  # every round ages all evidence
+                counts[i] *= self.decay
         for depth in range(min(accepted + 1, length)):  # depths 1 .. accepted + 1 were reached
             self.reached[depth] += 1.0
             self.accepted[depth] += 1.0 if depth < accepted else 0.0
             self.memory.remember(self.temperature or 0.0, depth, depth < accepted)
+        for position in range(min(chain_accepted + 1, chain, NGRAM_POSITIONS)):
+            self.chain_reached[position] += 1.0
+            self.chain_accepted[position] += 1.0 if position < chain_accepted else 0.0
+
+
+def _survival(acceptance: list[float]) -> list[float]:
+    """P(depth d accepted | d - 1 accepted) -> P(the first d + 1 accepted), d = 0 ..."""
+    out, alive = [], 1.0
+    for a in acceptance:
+        alive *= a
+        out.append(alive)
+    return out
 
 
 class TakeTurns:
@@ -151,11 +196,11 @@ class TakeTurns:
         self.times: dict[int, list[float]] = {length: [] for length in range(max_depth + 1)}
         self.turn = 0
 
-    def choose(self, temperature: float = 0.0) -> int:
+    def choose(self, temperature: float = 0.0, proposed: int = 0) -> tuple[int, int]:
         self.turn += 1
-        return self.order[(self.turn - 1) % len(self.order)]
+        return self.order[(self.turn - 1) % len(self.order)], 0  # the head's chains alone
 
-    def observe(self, length: int, accepted: int, ms: float | None) -> None:
+    def observe(self, length: int, accepted: int, ms: float | None, chain: int = 0, chain_accepted: int = 0) -> None:
         if ms is not None:
             self.times[length].append(ms)
 
@@ -193,22 +238,48 @@ def measure_round_costs(target, drafter, prompts: list[list[int]], max_depth: in
     return {length: statistics.median(times) for length, times in turns.times.items() if times}
 
 
-def round_costs(target, drafter, prompts: list[list[int]], max_depth: int, path: Path,
-                backend=None) -> dict[int, float]:
-    """The cost curve from `path`, else measured (seconds) and written there."""
+def cost_curve(target, drafter, prompts: list[list[int]], max_depth: int, path: Path, backend=None) -> ChainMemory:
+    """The cost curve from `path`, else measured (seconds) and written there: ms per round by chain length and,
+    for a hybrid drafter, ms of the target's forward by scored tokens (what an n-gram chain adds)."""
     if path.is_file():
         try:
-            cached = {int(length): float(ms) for length, ms in json.loads(path.read_text()).items()}
-            if all(cached.get(length, 0) > 0 for length in range(max_depth + 1)):
-                return cached
-        except (OSError, ValueError) as exc:
+            cached = json.loads(path.read_text())
+            memory = ChainMemory({int(k): float(v) for k, v in cached["rounds"].items()},
+                                 {int(k): float(v) for k, v in cached["forward"].items()})
+            if all(memory.ms.get(length, 0) > 0 for length in range(max_depth + 1)):
+                return memory
+        except (OSError, ValueError, KeyError) as exc:
             log.warning("tree=online: the cost curve %s is unreadable (%s); timing it again", path, exc)
     start = time.perf_counter()
-    costs = measure_round_costs(target, drafter, prompts, max_depth, backend)
-    if any(costs.get(length, 0) <= 0 for length in range(max_depth + 1)):
-        raise ValueError(f"tree=online: the calibration prompts gave no timed round for some chain lengths: {costs}")
+    rounds = measure_round_costs(target, drafter, prompts, max_depth, backend)
+    if any(rounds.get(length, 0) <= 0 for length in range(max_depth + 1)):
+        raise ValueError(f"tree=online: the calibration prompts gave no timed round for some chain lengths: {rounds}")
+    forward = {} if drafter.ngram is None else measure_forward_costs(target, 1 + max_depth + drafter.ngram.max_tokens,
+                                                                      backend)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(costs))
-    log.info("tree=online: round cost by chain length %s ms, timed in %.1f s (%s)",
-             " / ".join(f"{costs[length]:.2f}" for length in sorted(costs)), time.perf_counter() - start, path)
-    return costs
+    path.write_text(json.dumps({"rounds": rounds, "forward": forward}))
+    log.info("tree=online: round cost by chain length %s ms%s, timed in %.1f s (%s)",
+             " / ".join(f"{rounds[length]:.2f}" for length in sorted(rounds)),
+             f", the target's forward over 1 / {max(forward)} tokens {forward[1]:.2f} / {forward[max(forward)]:.2f} ms"
+             if forward else "", time.perf_counter() - start, path)
+    return ChainMemory(rounds, forward)
+
+
+FORWARD_CONTEXT = 256  # cached positions the forward curve is timed after
+
+
+def measure_forward_costs(target, widest: int, backend=None) -> dict[int, float]:
+    """ms of the target's forward over k = 1 .. widest scored tokens (what the decoding loop's backend does),
+    interpolated between the sizes timed."""
+    from eagle_lab.tree_search.costs import measure_target_costs
+
+    grid = sorted(k for k in {1, 2, 3, 4, 6, 8, 12, 16, widest} if k <= widest)
+    timed = measure_target_costs(target, FORWARD_CONTEXT, grid, backend)
+    sizes = sorted(timed)
+    out = {}
+    for k in range(1, min(widest, sizes[-1]) + 1):
+        above = min(s for s in sizes if s >= k)
+        below = max((s for s in sizes if s <= k), default=above)
+        share = 0.0 if above == below else (k - below) / (above - below)
+        out[k] = timed[below] + share * (timed[above] - timed[below])
+    return out

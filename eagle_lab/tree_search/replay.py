@@ -28,7 +28,7 @@ from eagle_lab.decoding.generate import Stopper, speculative_decode
 from eagle_lab.decoding.sampling import SamplingParams, target_probs, temperature_key
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.growth import Candidates, TreeShape
-from eagle_lab.drafters.ngram import NgramProposer
+from eagle_lab.drafters.ngram import NgramProposer, common_prefix
 from eagle_lab.models.target import Target
 from eagle_lab.tree_search.space import TreeSearchConfig
 
@@ -186,15 +186,6 @@ class ReplayTree:
 def simulate_accept(cands: Candidates, after_root: list[int], shape: TreeShape) -> int:
     """Draft tokens a tree of `shape` would accept in this recorded round (greedy)."""
     return ReplayTree(cands, shape).follow(after_root)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count
 
 
 def simulate_hybrid(tree: ReplayTree, after_root: list[int], chain: list[int]) -> tuple[int, int]:

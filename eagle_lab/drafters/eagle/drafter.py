@@ -33,7 +33,7 @@ from eagle_lab.decoding.tree import DraftTree, chain_tree, root_only_tree
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache, draft_lm_head_weight
 from eagle_lab.drafters.eagle.head_runner import HeadStepRunner
 from eagle_lab.drafters.growth import Candidates, ChainControl, TreeChoice, TreeGrowth, TreeShape, grow_dynamic_tree
-from eagle_lab.drafters.ngram import NgramProposer, merge_chain
+from eagle_lab.drafters.ngram import NgramProposer, common_prefix, merge_chain
 from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
 from eagle_lab.models.target import Target
 
@@ -50,8 +50,9 @@ class EagleDrafter:
         self.head, self.target, self.shape = head.eval(), target, shape
         self.sampled_drafts = sampled_drafts
         self.controller = controller
-        # the controller's round in flight: (chain length, its start; None: not to be timed)
-        self._round: tuple[int, float | None] | None = None
+        # the controller's round in flight: (the head's drafted chain, the n-gram tokens merged, its start; None:
+        # not to be timed)
+        self._round: tuple[list[int], list[int], float | None] | None = None
         self._unseen: torch.Tensor | None = None  # [P, F] features of rounds that drafted nothing, fed next time
         self.ngram = ngram  # hybrid drafting: an n-gram chain merged into every tree (None: off)
         self.rotary = target.rotary
@@ -152,39 +153,54 @@ class EagleDrafter:
               sampling: DraftSampling | None = None) -> DraftTree:
         if not self.sampled_drafts:
             sampling = None
-        shape = self.shape if self.controller is None else self._controlled_shape(new_features, sampling)
+        if self.controller is None:
+            shape, chain = self.shape, None
+        else:
+            shape, chain = self._controlled_shape(sequence, new_features, sampling)
         if self._unseen is not None:  # the rounds that drafted nothing left these to feed
             new_features = torch.cat([self._unseen, new_features])  # [P, F]
             self._unseen = None
             if self._round is not None and shape.depth > 0:  # this round's time holds their catching up: untimed
-                self._round = (self._round[0], None)
+                self._round = (*self._round[:2], None)
         if self.controller is not None and shape.depth == 0:
             self._unseen = new_features
             tree = root_only_tree(int(sequence[-1]), sequence.device)
         else:
             tree = self._draft_eagle(sequence, new_features, max_depth, sampling, shape)
-        return self.merge_ngram_chain(tree, sequence, max_depth)
+        if self.controller is not None:  # what the next round's acceptance is read against
+            self._round = (tree.tokens[1:].tolist(), chain, self._round[2])
+        return self.merge_ngram_chain(tree, sequence, max_depth, chain)
 
-    def _controlled_shape(self, new_features: torch.Tensor, sampling: DraftSampling | None) -> TreeShape:
-        """The controller's chain for this round, after telling it how the last one went: its new features are
-        the accepted nodes and the bonus, and its time runs from its draft to this one (unless that draft also
-        fed the head what rounds without drafts left: a cost of those rounds, not of its length)."""
+    def _controlled_shape(self, sequence: torch.Tensor, new_features: torch.Tensor,
+                          sampling: DraftSampling | None) -> tuple[TreeShape, list[int]]:
+        """The controller's (chain, n-gram tokens) for this round, after telling it how the last one went: the
+        tokens it accepted are the sequence's newest ones but the root (its new features: the accepted nodes and
+        the bonus), and its time runs from its draft to this one (unless that draft also fed the head what
+        rounds without drafts left: a cost of those rounds, not of its length)."""
         now = time.perf_counter()
         if self._round is not None:
-            length, start = self._round
-            self.controller.observe(length, new_features.shape[0] - 1, None if start is None else 1000 * (now - start))
-        length = self.controller.choose(0.0 if sampling is None else sampling.params.temperature)
-        self._round = (length, now)
-        return TreeShape(length, 1, length)
+            drafted, merged, start = self._round
+            accepted = sequence[sequence.numel() - new_features.shape[0]: -1].tolist()
+            self.controller.observe(len(drafted), common_prefix(drafted, accepted),
+                                    None if start is None else 1000 * (now - start), len(merged),
+                                    common_prefix(merged, accepted))
+        proposal = self.ngram.propose(sequence) if self.ngram is not None else []
+        length, keep = self.controller.choose(0.0 if sampling is None else sampling.params.temperature,
+                                              len(proposal))
+        self._round = ([], [], now)
+        return TreeShape(length, 1, length), proposal[:keep]
 
-    def merge_ngram_chain(self, tree: DraftTree, sequence: torch.Tensor, max_depth: int) -> DraftTree:
+    def merge_ngram_chain(self, tree: DraftTree, sequence: torch.Tensor, max_depth: int,
+                          chain: list[int] | None = None) -> DraftTree:
         """The head's tree with the n-gram chain merged in (hybrid drafting; unchanged without it). The chain's
         depth is its length, capped like the tree's, and by the room left under max_tree_tokens (the largest
-        static bucket): single and batched drafting both merge here."""
+        static bucket): single and batched drafting both merge here. chain: the chain to merge (None: the
+        proposer's for `sequence`)."""
         if self.ngram is None or max_depth < 1:
             return tree
         room = self.max_tree_tokens - tree.size if self.max_tree_tokens else max_depth
-        return merge_chain(tree, self.ngram.propose(sequence)[:max(min(max_depth, room), 0)])
+        chain = self.ngram.propose(sequence) if chain is None else chain
+        return merge_chain(tree, chain[:max(min(max_depth, room), 0)])
 
     @torch.no_grad()
     def _draft_eagle(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
@@ -286,3 +302,4 @@ class EagleDrafter:
                           last_only=True)
         self.committed += count
         return out
+
