@@ -15,8 +15,8 @@ from eagle_lab.tree_search.online import (
     ChainMemory,
     TakeTurns,
     card_prior,
-    measure_round_costs,
     cost_curve,
+    measure_round_costs,
 )
 
 
@@ -85,6 +85,12 @@ def test_forks_share_costs_and_long_run_acceptance_and_keep_their_own():
     assert parent.acceptance() != child.acceptance()
 
 
+def test_sampled_rounds_are_priced_by_the_sampled_curve():
+    memory = ChainMemory(ms={0: 10.0, 1: 12.0}, sampled_ms={0: 10.0, 1: 30.0})
+    assert ChainController(max_depth=1, memory=memory, prior=[0.5]).choose(0.0) == (1, 0)  # 1.5 / 12 > 1 / 10
+    assert ChainController(max_depth=1, memory=memory, prior=[0.5]).choose(1.0) == (0, 0)  # 1.5 / 30 < 1 / 10
+
+
 def test_a_cost_curve_missing_a_length_is_refused():
     with pytest.raises(ValueError, match="no time for chain lengths \\[2\\]"):
         ChainController(max_depth=2, memory=costs(10, 12))
@@ -136,10 +142,12 @@ def test_the_cost_curve_times_every_length_and_is_cached(tiny_target, tmp_path, 
     assert drafter.controller is None  # the drafter is handed back as it was
 
     measured = []
-    monkeypatch.setattr(online, "measure_round_costs", lambda *args: measured.append(1) or {0: 1.0, 1: 2.0})
+    monkeypatch.setattr(online, "measure_round_costs",
+                        lambda *args, temperature=0.0: measured.append(temperature) or {0: 1.0 + temperature, 1: 2.0})
     path = tmp_path / "curve.json"
     assert cost_curve(tiny_target, drafter, [], 1, path).ms == {0: 1.0, 1: 2.0}
-    assert cost_curve(tiny_target, drafter, [], 1, path).ms == {0: 1.0, 1: 2.0} and len(measured) == 1
+    cached = cost_curve(tiny_target, drafter, [], 1, path)
+    assert cached.sampled_ms == {0: 2.0, 1: 2.0} and measured == [0.0, online.SAMPLED_TEMPERATURE]
     assert cost_curve(tiny_target, drafter, [], 1, path).forward_ms == {}  # no n-gram proposer: no forward curve
     with pytest.raises(ValueError, match="no timed round"):
         cost_curve(tiny_target, drafter, [], 2, tmp_path / "other.json")

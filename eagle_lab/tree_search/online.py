@@ -5,6 +5,7 @@ Acceptance climbs along a reply (a head drafts a reply's opening worst), so no s
 whole reply. The controller keeps, per chain length L (0 = no draft, then 1 .. max_depth):
   - its round's cost in ms: a cost curve timed once per machine (`measure_round_costs`: rounds of every
     length taken in turn within one decode, so the machine's drift falls on all of them alike; medians),
+    greedy and sampling (drawn drafts and rejection sampling cost more),
     cached beside tree=auto's calibration under the same fingerprint (target, head, backend, graphs' code),
     so it is timed again when any of them changes;
   - the acceptance at each draft depth d, P(depth d accepted | depth d - 1 accepted), from decayed counts of
@@ -41,6 +42,7 @@ PRIOR_WEIGHT = 4.0  # rounds' worth of evidence the prior counts for
 LONG_RUN_DECAY = 0.5 ** (1 / 512)  # the shared acceptance: an observation counts half after 512 more
 LONG_RUN_MIN = 8.0  # observations at a depth before the shared acceptance there is used as a prior
 TIMED_ROUNDS = 24  # timed rounds per chain length in the cost curve
+SAMPLED_TEMPERATURE = 1.0  # the cost curve of sampled rounds (drawn drafts, rejection sampling) is timed at it
 NGRAM_PRIOR = 0.5  # an n-gram chain's acceptance at each position before this request showed its own
 NGRAM_POSITIONS = 16  # chain positions whose acceptance is kept (longer chains reuse the last)
 
@@ -52,6 +54,7 @@ class ChainMemory:
 
     ms: dict[int, float] = field(default_factory=dict)  # chain length -> ms per round
     forward_ms: dict[int, float] = field(default_factory=dict)  # K scored tokens -> ms (n-gram chains' cost)
+    sampled_ms: dict[int, float] = field(default_factory=dict)  # chain length -> ms per round sampling (T > 0)
     accepted: dict[float, list[float]] = field(default_factory=dict)  # temperature -> aging counts by depth
     reached: dict[float, list[float]] = field(default_factory=dict)
 
@@ -138,11 +141,12 @@ class ChainController:
 
     def round_ms(self, length: int, chain: int) -> float:
         """A round's cost: the curve's for `length`, plus the target's forward over `chain` more tokens."""
+        rounds = self.memory.sampled_ms if self.temperature and self.memory.sampled_ms else self.memory.ms
         if chain == 0:
-            return self.memory.ms[length]
+            return rounds[length]
         forward = self.memory.forward_ms
         widest = max(forward)
-        return self.memory.ms[length] + forward[min(1 + length + chain, widest)] - forward[min(1 + length, widest)]
+        return rounds[length] + forward[min(1 + length + chain, widest)] - forward[min(1 + length, widest)]
 
     def rates(self, chain: int = 0) -> dict[int, float]:
         """Expected tokens per ms of every length (with the first `chain` n-gram tokens merged)."""
@@ -215,19 +219,22 @@ class TakeTurns:
 
 
 def measure_round_costs(target, drafter, prompts: list[list[int]], max_depth: int, backend=None,
-                        new_tokens: int = 256) -> dict[int, float]:
-    """Median ms per greedy round of each chain length 0 .. max_depth, the lengths taken in turn within each
-    decode of `prompts` until every length has TIMED_ROUNDS timed rounds (or the prompts run out)."""
+                        new_tokens: int = 256, temperature: float = 0.0) -> dict[int, float]:
+    """Median ms per round of each chain length 0 .. max_depth, sampling at `temperature` (0: greedy), the lengths
+    taken in turn within each decode of `prompts` until every length has TIMED_ROUNDS timed rounds (or the
+    prompts run out)."""
     from eagle_lab.decoding.generate import Stopper, speculative_decode
     from eagle_lab.decoding.sampling import SamplingParams
 
+    params = SamplingParams(temperature=temperature)
+    generator = None if params.greedy else torch.Generator(device=target.device).manual_seed(0)
     turns, kept = TakeTurns(max_depth), drafter.controller
     drafter.control(turns)
     try:
         for ids in prompts:
             drafter.reset()
-            decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device), SamplingParams(),
-                                         Stopper(target.tokenizer, new_tokens, set()), backend=backend)
+            decoder = speculative_decode(target, drafter, torch.tensor(ids, device=target.device), params,
+                                         Stopper(target.tokenizer, new_tokens, set()), generator, backend)
             for _ in decoder:
                 if turns.done():
                     break
@@ -245,24 +252,29 @@ def cost_curve(target, drafter, prompts: list[list[int]], max_depth: int, path: 
         try:
             cached = json.loads(path.read_text())
             memory = ChainMemory({int(k): float(v) for k, v in cached["rounds"].items()},
-                                 {int(k): float(v) for k, v in cached["forward"].items()})
-            if all(memory.ms.get(length, 0) > 0 for length in range(max_depth + 1)):
+                                 {int(k): float(v) for k, v in cached["forward"].items()},
+                                 {int(k): float(v) for k, v in cached["sampled_rounds"].items()})
+            if all(min(memory.ms.get(length, 0), memory.sampled_ms.get(length, 0)) > 0
+                   for length in range(max_depth + 1)):
                 return memory
         except (OSError, ValueError, KeyError) as exc:
             log.warning("tree=online: the cost curve %s is unreadable (%s); timing it again", path, exc)
     start = time.perf_counter()
     rounds = measure_round_costs(target, drafter, prompts, max_depth, backend)
-    if any(rounds.get(length, 0) <= 0 for length in range(max_depth + 1)):
-        raise ValueError(f"tree=online: the calibration prompts gave no timed round for some chain lengths: {rounds}")
+    sampled = measure_round_costs(target, drafter, prompts, max_depth, backend, temperature=SAMPLED_TEMPERATURE)
+    if any(min(rounds.get(length, 0), sampled.get(length, 0)) <= 0 for length in range(max_depth + 1)):
+        raise ValueError(f"tree=online: the calibration prompts gave no timed round for some chain lengths: "
+                         f"{rounds}, sampling {sampled}")
     forward = {} if drafter.ngram is None else measure_forward_costs(target, 1 + max_depth + drafter.ngram.max_tokens,
                                                                       backend)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"rounds": rounds, "forward": forward}))
-    log.info("tree=online: round cost by chain length %s ms%s, timed in %.1f s (%s)",
+    path.write_text(json.dumps({"rounds": rounds, "forward": forward, "sampled_rounds": sampled}))
+    log.info("tree=online: round cost by chain length %s ms (sampling: %s)%s, timed in %.1f s (%s)",
              " / ".join(f"{rounds[length]:.2f}" for length in sorted(rounds)),
+             " / ".join(f"{sampled[length]:.2f}" for length in sorted(sampled)),
              f", the target's forward over 1 / {max(forward)} tokens {forward[1]:.2f} / {forward[max(forward)]:.2f} ms"
              if forward else "", time.perf_counter() - start, path)
-    return ChainMemory(rounds, forward)
+    return ChainMemory(rounds, forward, sampled)
 
 
 FORWARD_CONTEXT = 256  # cached positions the forward curve is timed after
