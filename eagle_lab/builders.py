@@ -12,6 +12,7 @@ import torch
 from eagle_lab.config import HeadConfig, MedusaConfig, NgramConfig, ServeConfig, TreeConfig
 from eagle_lab.decoding.backend import Backend
 from eagle_lab.decoding.generate import Stopper, speculative_decode, vanilla_decode
+from eagle_lab.decoding.graph_store import code_digest
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.tree import Drafter
 from eagle_lab.drafters.card import read_card
@@ -184,7 +185,8 @@ def online_drafter(head: EagleHead, target: Target, tree: TreeConfig, ngram: Ngr
                             f"got {tree.depth}")
     drafter = eagle_drafter(head, target, TreeShape(depth, 1, depth), ngram, backend, tree.sampled_drafts)
     digest = calibration_fingerprint(target, drafter, TreeSearchConfig(), ngram, backend)
-    path = cache_root() / "tree_auto" / f"{target.name}-online{depth}-{digest}.json"
+    timing = code_digest(("tree_search/online.py",))[:8]  # the code that times the curve: a change retimes it
+    path = cache_root() / "tree_auto" / f"{target.name}-online{depth}-{digest}-{timing}.json"
     memory = cost_curve(target, drafter, calibration_prompts(target), depth, path, backend)
     drafter.control(ChainController(depth, memory, prior))
     return drafter

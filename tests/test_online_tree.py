@@ -114,9 +114,13 @@ def test_a_head_cards_accuracy_by_position_becomes_acceptance_by_depth():
     assert card_prior([]) == [online.DEFAULT_PRIOR]
 
 
-def test_taking_turns_drafts_nothing_twice_then_every_length_twice():
-    turns = TakeTurns(3)
-    assert [turns.choose(proposed=4) for _ in range(16)] == [(length, 0) for length in [0, 0, 1, 2, 3, 1, 2, 3] * 2]
+def test_taking_turns_times_runs_of_each_length_but_their_first_rounds():
+    turns = TakeTurns(2)
+    chosen = [turns.choose(proposed=4) for _ in range(2 * 3 * online.TURN_ROUNDS)]
+    assert chosen == [(length, 0) for length in [0, 1, 2] for _ in range(online.TURN_ROUNDS)] * 2
+    for length, _ in chosen:
+        turns.observe(length, 0, 10.0 + length)
+    assert turns.times == {length: [10.0 + length] * (2 * (online.TURN_ROUNDS - 1)) for length in range(3)}
 
 
 def _drafter(target, controller=None):

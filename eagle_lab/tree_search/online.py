@@ -42,6 +42,7 @@ PRIOR_WEIGHT = 4.0  # rounds' worth of evidence the prior counts for
 LONG_RUN_DECAY = 0.5 ** (1 / 512)  # the shared acceptance: an observation counts half after 512 more
 LONG_RUN_MIN = 8.0  # observations at a depth before the shared acceptance there is used as a prior
 TIMED_ROUNDS = 24  # timed rounds per chain length in the cost curve
+TURN_ROUNDS = 4  # rounds of one length in a row while the cost curve is timed (the first is not timed)
 SAMPLED_TEMPERATURE = 1.0  # the cost curve of sampled rounds (drawn drafts, rejection sampling) is timed at it
 NGRAM_PRIOR = 0.5  # an n-gram chain's acceptance at each position before this request showed its own
 NGRAM_POSITIONS = 16  # chain positions whose acceptance is kept (longer chains reuse the last)
@@ -191,22 +192,24 @@ def _survival(acceptance: list[float]) -> list[float]:
 
 
 class TakeTurns:
-    """The cost curve's controller: chain lengths 0 .. max_depth in turn, each round's time kept by length. A
-    round that drafts after one that did not also feeds the head what that one left (untimed), so each turn
-    drafts nothing twice, then every length twice."""
+    """The cost curve's controller: chain lengths 0 .. max_depth in turn, TURN_ROUNDS rounds each, each round's
+    time kept by length. The first round of a turn is not kept: it switches the target's compiled step (and
+    after rounds without drafts feeds the head what they left), which a run of one length pays once."""
 
     def __init__(self, max_depth: int):
-        self.order = [0, 0] + list(range(1, max_depth + 1)) * 2
+        self.order = [length for length in range(max_depth + 1) for _ in range(TURN_ROUNDS)]
         self.times: dict[int, list[float]] = {length: [] for length in range(max_depth + 1)}
         self.turn = 0
+        self.previous: int | None = None  # the length of the round observed last
 
     def choose(self, temperature: float = 0.0, proposed: int = 0) -> tuple[int, int]:
         self.turn += 1
         return self.order[(self.turn - 1) % len(self.order)], 0  # the head's chains alone
 
     def observe(self, length: int, accepted: int, ms: float | None, chain: int = 0, chain_accepted: int = 0) -> None:
-        if ms is not None:
+        if ms is not None and length == self.previous:
             self.times[length].append(ms)
+        self.previous = length
 
     def reset(self) -> None:
         pass
