@@ -61,3 +61,20 @@ def test_the_packaged_eagle3_head_is_served_by_head_eagle3_and_drafts_losslessly
     spec = generate(speculative_decode(smollm2, drafter, ids, greedy, Stopper(smollm2.tokenizer, 40, set())))
     assert spec.token_ids == plain.token_ids
     assert len(spec.token_ids) / spec.stats.target_forwards > 1.2  # a trained head: drafts are accepted
+
+
+def test_the_packaged_gemma3_head_carries_the_gemma_terms_and_its_recipe():
+    import json
+
+    from eagle_lab.builders import packaged_head_dir
+    from eagle_lab.drafters.card import read_card
+
+    directory = packaged_head_dir("gemma3_270m")
+    assert directory is not None
+    config = json.loads((directory / "config.json").read_text())
+    assert (config["hidden_size"], config["vocab_size"], config["draft_vocab_size"]) == (640, 262144, 8192)
+    notice = (directory / "NOTICE.md").read_text()
+    assert "https://ai.google.dev/gemma/terms" in notice and "Prohibited Use Policy" in notice
+    card = read_card(directory)
+    assert card.target == "gemma3_270m" and card.recipe["loss"]["accept_weight"] == 1.0
+    assert card.command.startswith("python train.py experiment=gemma3_270m_head")
