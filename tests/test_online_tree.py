@@ -127,7 +127,8 @@ def _drafter(target, controller=None):
     return EagleDrafter(new_head(target, seed=1), target, TreeShape(3, 1, 3), controller=controller)
 
 
-def test_decoding_is_lossless_while_the_chain_length_changes_every_round(tiny_target):
+def test_decoding_is_lossless_while_the_chain_length_changes_every_other_round(tiny_target, monkeypatch):
+    monkeypatch.setattr(online, "TURN_ROUNDS", 2)
     prompt = torch.tensor([5, 9, 3, 17, 2, 11])
     stopper = Stopper(tiny_target.tokenizer, 40, set())
     plain = generate(vanilla_decode(tiny_target, prompt, SamplingParams(), stopper))
