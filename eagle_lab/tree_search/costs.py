@@ -34,6 +34,22 @@ from eagle_lab.models.target import Target
 K_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
+def forward_ms(timed: dict[int, float], k: int) -> float:
+    """ms of a forward over k scored tokens from those timed at some sizes: linear between them, the smallest's
+    below, extended linearly past the largest."""
+    keys = sorted(timed)
+    if k <= keys[0]:
+        return timed[keys[0]]
+    for lo, hi in zip(keys, keys[1:]):
+        if k <= hi:
+            w = (k - lo) / (hi - lo)
+            return (1 - w) * timed[lo] + w * timed[hi]
+    if len(keys) == 1:
+        return timed[keys[0]]
+    lo, hi = keys[-2], keys[-1]  # extrapolate linearly past the grid
+    return timed[hi] + (k - hi) * (timed[hi] - timed[lo]) / (hi - lo)
+
+
 @dataclass
 class CostModel:
     target_ms: dict[int, float]  # K scored tokens -> ms
@@ -46,15 +62,7 @@ class CostModel:
     ngram_round_ms: float | None = None  # measured: an n-gram-only round beyond target(K); None = not measured
 
     def target(self, k: int) -> float:
-        keys = sorted(self.target_ms)
-        if k <= keys[0]:
-            return self.target_ms[keys[0]]
-        for lo, hi in zip(keys, keys[1:]):
-            if k <= hi:
-                w = (k - lo) / (hi - lo)
-                return (1 - w) * self.target_ms[lo] + w * self.target_ms[hi]
-        lo, hi = keys[-2], keys[-1]  # extrapolate linearly past the grid
-        return self.target_ms[hi] + (k - hi) * (self.target_ms[hi] - self.target_ms[lo]) / (hi - lo)
+        return forward_ms(self.target_ms, k)
 
     def round_ms(self, shape: TreeShape, extra: int = 0, ngram: bool = False) -> float:
         """One round of `shape` that also scores `extra` n-gram tokens (ngram: a chain was proposed)."""

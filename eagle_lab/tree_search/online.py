@@ -34,6 +34,10 @@ from pathlib import Path
 
 import torch
 
+from eagle_lab.decoding.generate import Stopper, speculative_decode
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.tree_search.costs import forward_ms, measure_target_costs
+
 log = logging.getLogger(__name__)
 
 ONLINE_DEPTH = 3  # the longest chain when tree.depth is not set: 4 tokens, the largest small bucket
@@ -43,6 +47,7 @@ LONG_RUN_DECAY = 0.5 ** (1 / 512)  # the shared acceptance: an observation count
 LONG_RUN_MIN = 8.0  # observations at a depth before the shared acceptance there is used as a prior
 TIMED_ROUNDS = 24  # timed rounds per chain length in the cost curve
 TURN_ROUNDS = 16  # rounds of one length in a row while the cost curve is timed (the first is not timed)
+FORWARD_CONTEXT = 256  # cached positions the forward curve (n-gram chains' cost) is timed after
 SAMPLED_TEMPERATURE = 1.0  # the cost curve of sampled rounds (drawn drafts, rejection sampling) is timed at it
 NGRAM_PRIOR = 0.5  # an n-gram chain's acceptance at each position before this request showed its own
 NGRAM_POSITIONS = 16  # chain positions whose acceptance is kept (longer chains reuse the last)
@@ -146,8 +151,7 @@ class ChainController:
         if chain == 0:
             return rounds[length]
         forward = self.memory.forward_ms
-        widest = max(forward)
-        return rounds[length] + forward[min(1 + length + chain, widest)] - forward[min(1 + length, widest)]
+        return rounds[length] + forward_ms(forward, 1 + length + chain) - forward_ms(forward, 1 + length)
 
     def rates(self, chain: int = 0) -> dict[int, float]:
         """Expected tokens per ms of every length (with the first `chain` n-gram tokens merged)."""
@@ -226,9 +230,6 @@ def measure_round_costs(target, drafter, prompts: list[list[int]], max_depth: in
     """Median ms per round of each chain length 0 .. max_depth, sampling at `temperature` (0: greedy), the lengths
     taken in turn within each decode of `prompts` until every length has TIMED_ROUNDS timed rounds (or the
     prompts run out)."""
-    from eagle_lab.decoding.generate import Stopper, speculative_decode
-    from eagle_lab.decoding.sampling import SamplingParams
-
     params = SamplingParams(temperature=temperature)
     generator = None if params.greedy else torch.Generator(device=target.device).manual_seed(0)
     turns, kept = TakeTurns(max_depth), drafter.controller
@@ -268,8 +269,9 @@ def cost_curve(target, drafter, prompts: list[list[int]], max_depth: int, path: 
     if any(min(rounds.get(length, 0), sampled.get(length, 0)) <= 0 for length in range(max_depth + 1)):
         raise ValueError(f"tree=online: the calibration prompts gave no timed round for some chain lengths: "
                          f"{rounds}, sampling {sampled}")
-    forward = {} if drafter.ngram is None else measure_forward_costs(target, 1 + max_depth + drafter.ngram.max_tokens,
-                                                                      backend)
+    widest = 1 + max_depth + drafter.ngram.max_tokens if drafter.ngram is not None else 0
+    forward = {} if widest == 0 else measure_target_costs(
+        target, FORWARD_CONTEXT, sorted(k for k in {1, 2, 3, 4, 6, 8, 12, 16, widest} if k <= widest), backend)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"rounds": rounds, "forward": forward, "sampled_rounds": sampled}))
     log.info("tree=online: round cost by chain length %s ms (sampling: %s)%s, timed in %.1f s (%s)",
@@ -278,23 +280,3 @@ def cost_curve(target, drafter, prompts: list[list[int]], max_depth: int, path: 
              f", the target's forward over 1 / {max(forward)} tokens {forward[1]:.2f} / {forward[max(forward)]:.2f} ms"
              if forward else "", time.perf_counter() - start, path)
     return ChainMemory(rounds, forward, sampled)
-
-
-FORWARD_CONTEXT = 256  # cached positions the forward curve is timed after
-
-
-def measure_forward_costs(target, widest: int, backend=None) -> dict[int, float]:
-    """ms of the target's forward over k = 1 .. widest scored tokens (what the decoding loop's backend does),
-    interpolated between the sizes timed."""
-    from eagle_lab.tree_search.costs import measure_target_costs
-
-    grid = sorted(k for k in {1, 2, 3, 4, 6, 8, 12, 16, widest} if k <= widest)
-    timed = measure_target_costs(target, FORWARD_CONTEXT, grid, backend)
-    sizes = sorted(timed)
-    out = {}
-    for k in range(1, min(widest, sizes[-1]) + 1):
-        above = min(s for s in sizes if s >= k)
-        below = max((s for s in sizes if s <= k), default=above)
-        share = 0.0 if above == below else (k - below) / (above - below)
-        out[k] = timed[below] + share * (timed[above] - timed[below])
-    return out
