@@ -38,7 +38,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not slow"
 
-# what serve.py runs by default (eagle with n-gram branches, tree=auto) against plain decoding, compiled and eager
+# what serve.py runs by default (eagle with n-gram chains, tree=online) against plain decoding, compiled and eager
 bench: $(STAMP)
 	$(BIN)/python serve.py mode=bench bench.dataset=mt_bench bench.limit=10 'bench.methods=[vanilla,vanilla_eager,eagle+ngram]'
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,9 +30,8 @@ from eagle_lab.models.device import drafting_dtype, integer_dot_products
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.stable_linear import FORMATS, convert_module_linears
 from eagle_lab.models.target import Target, TargetConfig, load_target
-from eagle_lab.tree_search.auto import auto_tree, calibration_fingerprint, calibration_prompts
-from eagle_lab.tree_search.online import ONLINE_DEPTH, ChainController, card_prior, cost_curve
-from eagle_lab.tree_search.space import TreeSearchConfig
+from eagle_lab.tree_search.costs import calibration_prompts, timing_fingerprint
+from eagle_lab.tree_search.online import ChainController, card_prior, cost_curve
 
 log = logging.getLogger(__name__)
 PACKAGED_HEADS = Path(__file__).parent / "assets" / "heads"
@@ -130,64 +128,37 @@ def build_decoder(method: str, target: Target, drafter: Drafter | None, prompt_i
     if method == "vanilla":
         return vanilla_decode(target, prompt_ids, params, stopper, generator, backend)
     if method in SPECULATIVE:
-        if isinstance(drafter, EagleDrafter):
-            drafter.select(params)  # tree=auto's tree for this temperature
-            if drafter.drafts_nothing:  # tree=auto found no tree that pays here: plain decoding, at its cost
-                return vanilla_decode(target, prompt_ids, params, stopper, generator, backend)
         return speculative_decode(target, drafter, prompt_ids, params, stopper, generator, backend)
     raise EagleLabError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
 
 
-def build_drafter(head: EagleHead, target: Target, tree: TreeConfig,
-                  ngram: NgramProposer | None = None, backend: Backend | None = None,
-                  planned_tokens: int | None = None, temperatures: Sequence[float] = (0.0,),
-                  prior: list[float] | None = None) -> EagleDrafter:
-    """A drafter with a fixed tree, with the shape tree=auto measures for this device, or (tree=online) with a
-    chain length chosen each round, starting from `prior`, the acceptance by depth the head promises.
-
-    ngram: merge n-gram branches into every tree (hybrid drafting); under tree=auto its chain
-    length is searched too (up to ngram.max_tokens), and it may be switched off or used alone.
-    planned_tokens: what this run will decode (None: open-ended); below tree.quick_below_tokens an
-    uncalibrated device is calibrated quickly. temperatures: those the run samples at (0: greedy);
-    tree=auto chooses a tree for each (EagleDrafter.select picks one per request).
-    """
-    fixed = TreeShape(tree.depth, tree.topk, tree.total_tokens)
-    for key, gain in (("min_gain", tree.min_gain), ("sampled_min_gain", tree.sampled_min_gain),
-                      ("batch_min_gain", tree.batch_min_gain)):
-        if gain < 1.0:
-            raise EagleLabError(f"tree.{key} must be >= 1 (how much faster than plain decoding a tree must time "
-                                f"to be used); got {gain}")
-    if tree.quick_below_tokens < 0:
-        raise EagleLabError(f"tree.quick_below_tokens must be >= 0, got {tree.quick_below_tokens}")
+def build_drafter(head: EagleHead, target: Target, tree: TreeConfig, ngram: NgramProposer | None = None,
+                  backend: Backend | None = None, prior: list[float] | None = None) -> EagleDrafter:
+    """A drafter with a fixed tree, or (tree=online) with a chain length chosen each round, starting from `prior`,
+    the acceptance by depth the head promises. ngram: merge n-gram chains into every tree (hybrid drafting;
+    under tree=online, as many of a chain's tokens as pay)."""
+    tree.validate()
     if tree.online:
         return online_drafter(head, target, tree, ngram, backend, prior)
-    if not tree.auto:
-        if not (tree.depth and tree.topk and tree.total_tokens):
-            raise EagleLabError(f"tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0; got {fixed}")
-        drafter = eagle_drafter(head, target, fixed, ngram, backend, tree.sampled_drafts)
-        if getattr(backend, "buckets", None) and ngram is not None:  # keep hybrid trees within compiled sizes
-            drafter.max_tree_tokens = max(max(backend.buckets), tree.total_tokens + 1)
-        return drafter
-    drafter = eagle_drafter(head, target, TreeShape(4, 4, 12), ngram, backend, tree.sampled_drafts)
-    quick = planned_tokens is not None and planned_tokens < tree.quick_below_tokens
-    auto_tree(target, drafter, fixed, min_gain=tree.min_gain, backend=backend, quick=quick, temperatures=temperatures,
-              sampled_min_gain=tree.sampled_min_gain)
+    drafter = eagle_drafter(head, target, TreeShape(tree.depth, tree.topk, tree.total_tokens), ngram, backend,
+                            tree.sampled_drafts)
+    if getattr(backend, "buckets", None) and ngram is not None:  # keep hybrid trees within compiled sizes
+        drafter.max_tree_tokens = max(max(backend.buckets), tree.total_tokens + 1)
     return drafter
 
 
 def online_drafter(head: EagleHead, target: Target, tree: TreeConfig, ngram: NgramProposer | None,
                    backend: Backend | None, prior: list[float] | None) -> EagleDrafter:
     """A drafter whose chain length a controller chooses each round, from the cost curve of this machine (timed
-    once, cached with tree=auto's calibration) and the acceptance its requests show (from the card's prior)."""
-    depth = tree.depth or ONLINE_DEPTH
-    if depth < 1:
-        raise EagleLabError(f"tree.online=true needs tree.depth >= 1 (the longest chain; 0: {ONLINE_DEPTH}), "
-                            f"got {tree.depth}")
+    once, cached) and the acceptance its requests show (from the card's prior)."""
+    depth = tree.depth
     drafter = eagle_drafter(head, target, TreeShape(depth, 1, depth), ngram, backend, tree.sampled_drafts)
-    digest = calibration_fingerprint(target, drafter, TreeSearchConfig(), ngram, backend)
+    digest = timing_fingerprint(target, drafter, ngram, backend)
     timing = code_digest(("tree_search/online.py",))[:8]  # the code that times the curve: a change retimes it
-    path = cache_root() / "tree_auto" / f"{target.name}-online{depth}-{digest}-{timing}.json"
+    path = cache_root() / "tree_online" / f"{target.name}-{depth}-{digest}-{timing}.json"
     memory = cost_curve(target, drafter, calibration_prompts(target), depth, path, backend)
+    log.info("tree=online: each round drafts a chain of 0-%d tokens%s, chosen by the cost curve in %s", depth,
+             " (and merges n-gram chain tokens where they pay)" if ngram is not None else "", path)
     drafter.control(ChainController(depth, memory, prior))
     return drafter
 
@@ -210,16 +181,13 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def make_drafter(cfg: ServeConfig, target: Target, backend: Backend | None = None,
-                 planned_tokens: int | None = None, temperatures: Sequence[float] | None = None) -> Drafter | None:
+def make_drafter(cfg: ServeConfig, target: Target, backend: Backend | None = None) -> Drafter | None:
     """method=eagle: the head's tree (plus n-gram branches when ngram.enabled); method=ngram: n-gram
-    drafting alone, no head; method=draft_model: a small LM's tree; method=vanilla: none.
-    planned_tokens: what this run will decode (None: open-ended). temperatures: what it samples at
-    (None: cfg.temperature alone), for tree=auto's choice per temperature."""
+    drafting alone, no head; method=draft_model: a small LM's tree; method=vanilla: none."""
     if cfg.method == "eagle":
         proposer = ngram_proposer(cfg.ngram) if cfg.ngram.enabled else None
-        return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer, backend, planned_tokens,
-                             (cfg.temperature,) if temperatures is None else temperatures, head_prior(cfg.head, target))
+        return build_drafter(build_head(cfg.head, target), target, cfg.tree, proposer, backend,
+                             head_prior(cfg.head, target))
     if cfg.method == "ngram":
         return NgramDrafter(ngram_proposer(cfg.ngram))
     if cfg.method == "draft_model":
@@ -245,7 +213,7 @@ def build_draft_model_drafter(cfg: TargetConfig, tree: TreeConfig, target: Targe
     else:
         draft = load_target(replace(cfg, path=path, device=str(target.device)))
         check_same_tokenizer(target, draft)
-    return DraftModelDrafter(draft, untuned_shape("draft_model", tree.auto, tree.depth, tree.topk, tree.total_tokens),
+    return DraftModelDrafter(draft, untuned_shape("draft_model", tree.online, tree.depth, tree.topk, tree.total_tokens),
                              target.vocab_size, load_draft_vocab(path) if cfg.source == "pretrained" else None,
                              sampled_drafts=tree.sampled_drafts)
 
@@ -260,5 +228,5 @@ def build_medusa_drafter(cfg: MedusaConfig, tree: TreeConfig, target: Target) ->
                                 "packaged for it): heads trained with python train.py head=medusa")
         path = str(packaged)
     heads = load_any_medusa(path, target)  # eagle_lab's layout or the Medusa project's
-    return MedusaDrafter(heads, target, untuned_shape("medusa", tree.auto, tree.depth, tree.topk, tree.total_tokens),
+    return MedusaDrafter(heads, target, untuned_shape("medusa", tree.online, tree.depth, tree.topk, tree.total_tokens),
                          sampled_drafts=tree.sampled_drafts)

@@ -1,13 +1,13 @@
 """`python -m eagle_lab.compile [serve.py overrides]`: build, once per machine, every compiled graph that
-`python serve.py` with the same overrides decodes with, and calibrate tree=auto on them.
+`python serve.py` with the same overrides decodes with, and time the tree policy on them.
 
 Graphs are AOTInductor packages under `<cache>/compiled/` (eagle_lab/decoding/graph_store.py); a later
 process loads them in milliseconds, so `compile=auto` decodes compiled from the first token of any run.
 First the target steps known ahead build side by side, a worker process per core; then the steps: plain
-decoding's step (one package serves every attended length), tree=auto's full calibration on
-the compiled backend (its trees' sizes), one speculative generation (the head's steps), and what
-`mode=server` decodes with (every row count of its static cache, its tree per batch size). Graphs already
-built are loaded, not rebuilt: running it again is quick.
+decoding's step (one package serves every attended length), the tree policy's timings on the
+compiled backend (tree=online's cost curve), one speculative generation
+(the head's steps), and what `mode=server` decodes with (every row count of its static cache, its tree per
+batch size). Graphs already built are loaded, not rebuilt: running it again is quick.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from eagle_lab.decoding.static_rows import row_buckets, rows_capacity
 from eagle_lab.errors import EagleLabError, run_entry
 from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.models.target import load_target
-from eagle_lab.serving.server import SERVER_TEMPERATURES, check_server_config, prepare_decoding
+from eagle_lab.serving.server import check_server_config, prepare_decoding
 
 log = logging.getLogger(__name__)
 register_configs()
@@ -52,9 +52,8 @@ def build_graphs(cfg: ServeConfig) -> None:
     _build_known_shapes(cfg, backend)
     log.info("compile [1/4]: plain decoding's step")
     _decode(cfg, target, None, backend, prompt, "vanilla")
-    log.info("compile [2/4]: tree=auto's calibration on the compiled target (its trees' sizes)")
-    drafter = make_drafter(cfg, target, backend, planned_tokens=None,
-                           temperatures=sorted({*SERVER_TEMPERATURES, float(cfg.temperature)}))
+    log.info("compile [2/4]: the drafter, and tree=online's cost curve on the compiled target")
+    drafter = make_drafter(cfg, target, backend)
     if drafter is not None:
         log.info("compile [3/4]: one speculative generation (the drafter's steps)")
         _decode(cfg, target, drafter, backend, prompt, cfg.method)
@@ -68,8 +67,8 @@ def build_graphs(cfg: ServeConfig) -> None:
 
 
 def _build_known_shapes(cfg: ServeConfig, backend: StaticBackend) -> None:
-    """Build, a worker process per core, the target steps every later step will ask for whatever tree=auto
-    chooses: one sequence's step at each token bucket (tree=auto times them all) and the server's plain step at
+    """Build, a worker process per core, the target steps every later step will ask for whatever the controller
+    chooses: one sequence's step at each token bucket (the cost curve times them all) and the server's plain step at
     each row count. A package's build is mostly one core's work (export, lowering, one C++ compile), so
     builds side by side take about the time of one each; the steps below then load them. Skipped on one core,
     for a target eager here, and where a copy of the target per worker would not fit in half the memory."""

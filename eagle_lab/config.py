@@ -51,7 +51,7 @@ class NgramConfig:
     enabled: bool = True  # merge n-gram branches into the EAGLE tree (method=eagle)
     min_match: int = 2  # shortest suffix of the committed sequence to look up
     max_match: int = 4  # longest suffix, tried first
-    max_tokens: int = 8  # chain length (tree=auto: the longest it may choose)
+    max_tokens: int = 8  # chain length (tree=online: the longest it may merge)
 
 
 @dataclass
@@ -96,7 +96,7 @@ class ServerConfig:
     api_key: str = ""  # "" = no key; else clients send "Authorization: Bearer <key>"
     max_batch: int = 8  # sequences decoded at once (one target forward scores all their trees)
     max_queue: int = 64  # requests waiting for a slot; one more is answered 429
-    # tree=auto: per batch size and temperature, the batch-1 tree or plain decoding (eagle_lab/serving/batch_trees.py)
+    # at each batch size >= 2 and temperature, drafting or plain decoding as timed (eagle_lab/serving/batch_trees.py)
     tree_per_batch: bool = True
     # the most tokens (prompt + completion) one request may hold; each of the max_batch rows of the
     # static cache is sized for it
@@ -139,6 +139,7 @@ class ServeConfig:
     def __post_init__(self):
         if self.max_new_tokens < 1:  # the one check: every mode and the decoding below it rely on it
             raise EagleLabError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.tree.validate()
         if self.chat is None:
             self.chat = self.target.chat
 

@@ -62,12 +62,12 @@ def run(raw: DictConfig) -> None:
     prompts = gather_prompts(cfg)
     target = load_target(cfg.target)
     encoded = [encode_prompt(target.tokenizer, p, cfg.chat, cfg.system) for p in prompts]
-    for ids in encoded:  # before any work (compiling, tree=auto's calibration)
+    for ids in encoded:  # before any work (compiling, tree=online's cost curve)
         check_prompt(target, as_tensor(ids, target.device))
     planned = len(encoded) * cfg.max_new_tokens
     backend = build_backend(target, cfg.compile, cfg.decoding, planned_tokens=planned,
                             longest_prompt=max(len(ids) for ids in encoded), max_new_tokens=cfg.max_new_tokens)
-    drafter = make_drafter(cfg, target, backend, planned)
+    drafter = make_drafter(cfg, target, backend)
     freeze_loaded_objects()
     for index, ids in enumerate(encoded):
         prompt = as_tensor(ids, target.device)

@@ -23,7 +23,7 @@ from eagle_lab.serving.server import bind, build_app
 CONF = Path(__file__).resolve().parents[1] / "conf"
 # tiny random target, random head, a fixed tree that drafts several tokens per round; eager (the
 # compiled server path, static rows, is tested in tests/test_static_rows.py)
-TINY = ["target=tiny_llama", "head.path=random", "tree.auto=false", "tree.depth=3", "tree.topk=2",
+TINY = ["target=tiny_llama", "head.path=random", "tree=cpu", "tree.depth=3", "tree.topk=2",
         "tree.total_tokens=6", "compile=false"]
 register_configs()
 

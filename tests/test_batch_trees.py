@@ -1,5 +1,5 @@
 """The server's tree policy (eagle_lab/serving/batch_trees.py): at batch >= 2 a row drafts its own tree
-(tree=auto's choice for its temperature) or decodes plainly, as timed in the batched round; switching
+(or its controller's chain) or decodes plainly, as timed in the batched round; switching
 between rounds keeps outputs exact, the choices are cached, and a compiled server builds every graph
 before it listens."""
 
@@ -12,7 +12,7 @@ from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.kinds import new_head
-from eagle_lab.drafters.growth import BatchTree, TreeChoice, TreeShape
+from eagle_lab.drafters.growth import BatchTree, TreeShape
 from eagle_lab.drafters.ngram import NgramProposer
 from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.serving import batch_trees
@@ -109,20 +109,18 @@ def test_choices_are_timed_per_temperature_cached_and_retimed_when_a_tree_change
     monkeypatch.setattr(batch_trees, "timed_batch_decoding", fake_timing)
     rows = static_rows(tiny_llama, rows=4)
     drafter = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(2, 2, 3))
-    drafter.adopt_choices((TreeChoice(0.0, TreeShape(2, 2, 3)), TreeChoice(0.7, TreeShape(1, 2, 2)),
-                           TreeChoice(1.0, TreeShape(0, 0, 0))))
     prompts = [[1, 2, 3]]
-    first = choose_batch_trees(tiny_llama, drafter, rows, 4, prompts, 8)
-    assert {t for _, _, t in timed} == {0.0, 0.7}  # T=1 drafts nothing alone: nothing to time
+    first = choose_batch_trees(tiny_llama, drafter, rows, 4, prompts, 8, temperatures=(0.7, 0.0))
+    assert {t for _, _, t in timed} == {0.0, 0.7} and {b for b, _, _ in timed} == {2, 4}
     assert first.tree(2, SamplingParams()) is None and first.tree(3, SamplingParams()) is PLAIN
     assert first.tree(4, SamplingParams()) is PLAIN and first.tree(2, SamplingParams(0.7)) is PLAIN
 
     timed.clear()
-    again = choose_batch_trees(tiny_llama, drafter, rows, 4, prompts, 8)
+    again = choose_batch_trees(tiny_llama, drafter, rows, 4, prompts, 8, temperatures=(0.7, 0.0))
     assert not timed and again == first  # read back, nothing timed
 
-    drafter.adopt_choices((TreeChoice(0.0, TreeShape(3, 2, 4)),))
-    choose_batch_trees(tiny_llama, drafter, rows, 4, prompts, 8)
+    drafter.use_tree(TreeShape(3, 2, 4))
+    choose_batch_trees(tiny_llama, drafter, rows, 4, prompts, 8, temperatures=(0.7, 0.0))
     assert timed  # another tree: timed again
 
 

@@ -43,7 +43,7 @@ def bench_run(tmp_path_factory):
         head=HeadConfig(path="random"),
         draft_model=TargetConfig(name="draft", source="tiny", tiny=TinyModelConfig(num_layers=1, seed=3)),
         medusa=MedusaConfig(path=str(medusa_dir)),
-        tree=TreeConfig(auto=False, depth=4, topk=4, total_tokens=12),  # a fixed tree: eagle must draft here
+        tree=TreeConfig(online=False, depth=4, topk=4, total_tokens=12),  # a fixed tree: eagle must draft here
         bench=BenchConfig(dataset=str(prompts_file), limit=0, methods=list(METHODS), temperatures=[0.0, 1.0],
                           warmup=1, llama_cpp=str(source), gguf_dir=str(fake_gguf_dir(tmp / "gguf"))),
         ngram=NgramConfig(min_match=1, max_match=3, max_tokens=4),
@@ -176,7 +176,7 @@ def test_update_card_records_eagle_tau_per_tree_and_temperature(tmp_path):
 
     write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
     cfg = ServeConfig(compile="false", head=HeadConfig(path=str(tmp_path)),
-                      tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4, total_tokens=12),
+                      tree=TreeConfig(name="cpu", online=False, depth=4, topk=4, total_tokens=12),
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "eagle"], update_card=True))
     summary = {"0.0": {"eagle": {"tau": 1.91234}, "vanilla": {"tau": 1.0}}, "1.0": {"eagle": {"tau": 1.7}}}
     update_card(cfg, SimpleNamespace(name="tiny_llama"), summary, 20)
@@ -193,7 +193,7 @@ def test_methods_with_tree_presets_run_side_by_side(tmp_path):
     cfg = ServeConfig(compile="true",
         target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
         head=HeadConfig(path="random"),
-        tree=TreeConfig(auto=False, depth=2, topk=2, total_tokens=3),
+        tree=TreeConfig(online=False, depth=2, topk=2, total_tokens=3),
         bench=BenchConfig(dataset=str(prompts_file), limit=0, methods=["vanilla", "eagle", "eagle@cpu",
                                                                         "eagle+ngram@eagle_gpu"],
                           temperatures=[0.0], warmup=0),
@@ -223,7 +223,7 @@ def test_methods_name_their_heads_and_run_side_by_side(tmp_path):
     cfg = ServeConfig(compile="false",
         target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
         head=HeadConfig(path="random"),
-        tree=TreeConfig(auto=False, depth=2, topk=2, total_tokens=3),
+        tree=TreeConfig(online=False, depth=2, topk=2, total_tokens=3),
         bench=BenchConfig(dataset=str(prompts_file), limit=0, temperatures=[0.0], warmup=0,
                           methods=["vanilla", "eagle/two", "eagle/three@cpu"],
                           heads={"two": dirs["eagle2"], "three": dirs["eagle3"]}),
@@ -264,12 +264,12 @@ def test_update_card_keys_each_tree_preset(tmp_path):
 
     write_card(tmp_path, HeadCard(target="tiny_llama", kind="eagle2"))
     cfg = ServeConfig(compile="false", head=HeadConfig(path=str(tmp_path)),
-                      tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4, total_tokens=12),
-                      bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "eagle", "eagle@auto"],
+                      tree=TreeConfig(name="cpu", online=False, depth=4, topk=4, total_tokens=12),
+                      bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "eagle", "eagle@online"],
                                         update_card=True))
-    summary = {"0.0": {"eagle": {"tau": 1.9}, "eagle@auto": {"tau": 1.0}, "vanilla": {"tau": 1.0}}}
+    summary = {"0.0": {"eagle": {"tau": 1.9}, "eagle@online": {"tau": 1.0}, "vanilla": {"tau": 1.0}}}
     update_card(cfg, SimpleNamespace(name="tiny_llama"), summary, 80)
-    assert read_card(tmp_path).mtbench_tau == {"cpu": {"T=0": 1.9}, "auto": {"T=0": 1.0}}  # all 80 prompts
+    assert read_card(tmp_path).mtbench_tau == {"cpu": {"T=0": 1.9}, "online": {"T=0": 1.0}}  # all 80 prompts
 
 
 def test_interleaved_runs_rotate_the_methods_and_change_no_output(tmp_path, monkeypatch):
@@ -282,7 +282,8 @@ def test_interleaved_runs_rotate_the_methods_and_change_no_output(tmp_path, monk
 
     def config(interleave: bool) -> ServeConfig:
         return ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
-                           head=HeadConfig(path="random"), tree=TreeConfig(auto=False, depth=2, topk=2, total_tokens=3),
+                           head=HeadConfig(path="random"),
+                           tree=TreeConfig(online=False, depth=2, topk=2, total_tokens=3),
                            bench=BenchConfig(dataset=str(prompts_file), limit=0, methods=["vanilla", "eagle", "ngram"],
                                              temperatures=[0.0, 1.0], warmup=0, interleave=interleave),
                            ngram=NgramConfig(min_match=1, max_match=3, max_tokens=4), mode="bench",
@@ -315,7 +316,7 @@ def test_update_card_leaves_the_packaged_card_alone_unless_named(tmp_path):
 
     card = packaged_head_dir("smollm2_135m") / "card.json"
     before = card.read_bytes()
-    cfg = ServeConfig(compile="false", tree=TreeConfig(name="cpu", auto=False, depth=4, topk=4, total_tokens=12),
+    cfg = ServeConfig(compile="false", tree=TreeConfig(name="cpu", online=False, depth=4, topk=4, total_tokens=12),
                       bench=BenchConfig(dataset="mt_bench", methods=["vanilla", "eagle"], update_card=True))
     update_card(cfg, SimpleNamespace(name="smollm2_135m"), {"0.0": {"eagle": {"tau": 9.0}}}, 80)
     assert card.read_bytes() == before

@@ -21,7 +21,7 @@ def sweep_config(tmp_path, **bench) -> ServeConfig:
     return ServeConfig(
         target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
         head=HeadConfig(path="random"),
-        tree=TreeConfig(auto=False, depth=3, topk=2, total_tokens=6),
+        tree=TreeConfig(online=False, depth=3, topk=2, total_tokens=6),
         bench=BenchConfig(dataset=str(prompts_file), limit=0, **bench),
         mode="bench", max_new_tokens=10, ignore_eos=True, chat=False, compile="false",
     )

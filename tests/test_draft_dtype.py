@@ -26,8 +26,7 @@ from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
-from eagle_lab.tree_search.auto import calibration_fingerprint
-from eagle_lab.tree_search.space import TreeSearchConfig
+from eagle_lab.tree_search.costs import timing_fingerprint
 from tests.scheduler_helpers import plan, run_plans, static_rows
 from tests.serving_helpers import TINY, serve_config
 
@@ -70,10 +69,9 @@ def test_head_draft_weights_pick_the_heads_storage_and_keep_greedy_output_exact(
     plain = generate(vanilla_decode(tiny_llama, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, set())))
     spec = generate(speculative_decode(tiny_llama, drafter, prompt, GREEDY, Stopper(tiny_llama.tokenizer, 40, set())))
     assert spec.token_ids == plain.token_ids and spec.stats.tree_tokens > 0
-    search = TreeSearchConfig()
     bf16 = EagleDrafter(build_head(HeadConfig(path="random", draft_weights="bf16"), tiny_llama), tiny_llama,
                         TreeShape(3, 2, 6))
-    assert calibration_fingerprint(tiny_llama, drafter, search) != calibration_fingerprint(tiny_llama, bf16, search)
+    assert timing_fingerprint(tiny_llama, drafter) != timing_fingerprint(tiny_llama, bf16)
 
 
 def test_bad_head_draft_weights_are_refused(tiny_llama):
@@ -81,23 +79,21 @@ def test_bad_head_draft_weights_are_refused(tiny_llama):
         build_head(HeadConfig(path="random", draft_weights="int3"), tiny_llama)
 
 
-def test_tree_auto_calibrations_of_a_bf16_and_an_fp32_head_are_kept_apart(tiny_llama):
-    search = TreeSearchConfig()
+def test_cost_curves_of_a_bf16_and_an_fp32_head_are_kept_apart(tiny_llama):
     head = new_head(tiny_llama, seed=1)
-    fp32 = calibration_fingerprint(tiny_llama, EagleDrafter(head, tiny_llama, TreeShape(2, 2, 3)), search)
-    bf16_drafter = EagleDrafter(head.to(torch.bfloat16), tiny_llama, TreeShape(2, 2, 3))
-    bf16 = calibration_fingerprint(tiny_llama, bf16_drafter, search)
+    fp32 = timing_fingerprint(tiny_llama, EagleDrafter(head, tiny_llama, TreeShape(2, 2, 3)))
+    bf16 = timing_fingerprint(tiny_llama, EagleDrafter(head.to(torch.bfloat16), tiny_llama, TreeShape(2, 2, 3)))
     assert fp32 != bf16
 
 
-def test_tree_auto_calibrations_are_taken_again_when_the_round_code_changes(tiny_llama, monkeypatch):
-    import eagle_lab.tree_search.auto as auto
+def test_cost_curves_are_timed_again_when_the_round_code_changes(tiny_llama, monkeypatch):
+    import eagle_lab.tree_search.costs as costs
 
     drafter = EagleDrafter(new_head(tiny_llama, seed=1), tiny_llama, TreeShape(2, 2, 3))
-    before = calibration_fingerprint(tiny_llama, drafter, TreeSearchConfig())
-    assert before == calibration_fingerprint(tiny_llama, drafter, TreeSearchConfig())
-    monkeypatch.setattr(auto, "code_digest", lambda sources: "an edited round")
-    assert calibration_fingerprint(tiny_llama, drafter, TreeSearchConfig()) != before
+    before = timing_fingerprint(tiny_llama, drafter)
+    assert before == timing_fingerprint(tiny_llama, drafter)
+    monkeypatch.setattr(costs, "code_digest", lambda sources: "an edited round")
+    assert timing_fingerprint(tiny_llama, drafter) != before
 
 
 @pytest.mark.parametrize("kind", ["eagle2", "eagle3"])

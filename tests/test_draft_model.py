@@ -98,7 +98,7 @@ def test_layers_only_layout_takes_embeddings_from_the_target(tiny_llama, tmp_pat
     ids = torch.tensor([[1, 5, 9, 3, 7]])
     torch.testing.assert_close(loaded.model(ids).logits, draft.model(ids).logits)
     drafter = build_draft_model_drafter(TargetConfig(name="draft_model", source="pretrained", path=str(compact)),
-                                        TreeConfig(auto=False, depth=3, topk=2, total_tokens=5), tiny_llama)
+                                        TreeConfig(online=False, depth=3, topk=2, total_tokens=5), tiny_llama)
     assert torch.equal(drafter.draft_vocab, torch.arange(0, tiny_llama.vocab_size, 2))  # kept by the layout
     plain, spec = run_both(tiny_llama, drafter, prompts(1)[0], new_tokens=24)
     assert spec.token_ids == plain.token_ids
@@ -119,15 +119,16 @@ def test_a_draft_vocabulary_limits_what_is_drafted(tiny_llama):
 
 
 def test_tree_shape_follows_the_tree_config():
-    assert untuned_shape("draft_model", True, 0, 0, 0) == TreeShape(3, 1, 3)  # tree=auto: a chain of 3
+    assert untuned_shape("draft_model", True, 3, 1, 3) == TreeShape(3, 1, 3)  # tree=online: a chain of tree.depth
+    assert untuned_shape("draft_model", True, 2, 4, 12) == TreeShape(2, 1, 2)
     assert untuned_shape("draft_model", False, 4, 4, 12) == TreeShape(4, 4, 12)  # tree=cpu
     with pytest.raises(EagleLabError, match="tree.depth"):
-        untuned_shape("draft_model", False, 0, 0, 0)
+        TreeConfig(online=False, depth=0, topk=0, total_tokens=0).validate()
 
 
 def test_each_server_sequence_gets_its_own_cache_over_shared_weights(tiny_llama):
     prototype = build_draft_model_drafter(TargetConfig(name="draft", source="tiny", tiny=TinyModelConfig(seed=5)),
-                                          TreeConfig(auto=False, depth=2, topk=2, total_tokens=3), tiny_llama)
+                                          TreeConfig(online=False, depth=2, topk=2, total_tokens=3), tiny_llama)
     make = drafter_factory(prototype)
     first, second = make(), make()
     assert first.model is second.model is prototype.model and first.cache is not second.cache
@@ -160,7 +161,7 @@ def test_head_draft_lm_trains_exports_and_serves_losslessly(tmp_path):
 
     target = recipe.target
     drafter = build_draft_model_drafter(TargetConfig(name="draft", source="pretrained", path=str(out)),
-                                        TreeConfig(auto=False, depth=3, topk=2, total_tokens=5), target)
+                                        TreeConfig(online=False, depth=3, topk=2, total_tokens=5), target)
     for prompt in prompts(2):
         plain, spec = run_both(target, drafter, prompt, new_tokens=24)
         assert spec.token_ids == plain.token_ids

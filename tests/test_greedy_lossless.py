@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from eagle_lab.builders import build_decoder
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
@@ -131,29 +130,11 @@ def test_head_cache_equals_recomputation_after_multi_token_rounds(tiny_target):
 
 
 def test_drafting_off_skips_the_head_and_matches(tiny_llama):
-    """tree=auto may switch drafting off: then every round is a plain one-token step."""
+    """A round may draft nothing (tree=online's controller): then it is a plain one-token step."""
     drafter = EagleDrafter(new_head(tiny_llama, seed=5), tiny_llama, TreeShape(0, 0, 0))
     plain, spec = run_both(tiny_llama, drafter, prompts(1)[0], new_tokens=20)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.target_forwards == plain.stats.target_forwards and drafter.committed == 0
-
-
-def test_a_decoder_whose_tree_drafts_nothing_is_plain_decoding(tiny_llama):
-    """Where tree=auto switches drafting off for a temperature, the decoder is plain decoding itself: its loop, its
-    cost; with an n-gram chain left, it stays speculative."""
-    prompt = prompts(1)[0]
-    stopper = lambda: Stopper(tiny_llama.tokenizer, 16, set())  # noqa: E731
-    plain = generate(vanilla_decode(tiny_llama, prompt, SamplingParams(), stopper()))
-    off = EagleDrafter(new_head(tiny_llama, seed=5), tiny_llama, TreeShape(0, 0, 0))
-    assert off.drafts_nothing
-    decoder = build_decoder("eagle", tiny_llama, off, prompt, SamplingParams(), stopper(), None)
-    assert decoder.gi_code is vanilla_decode.__code__
-    assert generate(decoder).token_ids == plain.token_ids
-    chain_only = EagleDrafter(new_head(tiny_llama, seed=5), tiny_llama, TreeShape(0, 0, 0), ngram=NgramProposer())
-    assert not chain_only.drafts_nothing
-    decoder = build_decoder("eagle+ngram", tiny_llama, chain_only, prompt, SamplingParams(), stopper(), None)
-    assert decoder.gi_code is speculative_decode.__code__
-    assert generate(decoder).token_ids == plain.token_ids
 
 
 def test_root_only_rounds_run_the_plain_forward(tiny_llama, monkeypatch):
@@ -213,7 +194,7 @@ def test_hybrid_accepts_ngram_tokens_and_matches(looping_target):
 
 
 def test_ngram_alone_matches_and_skips_the_head(looping_target):
-    """method=ngram (no head at all), and tree=auto's "n-gram only" (the head's drafting off)."""
+    """method=ngram (no head at all), and hybrid rounds with the head's drafting off (n-gram chains alone)."""
     proposer = NgramProposer(min_match=2, max_match=4, max_tokens=6)
     head_off = EagleDrafter(new_head(looping_target, seed=1), looping_target, TreeShape(0, 0, 0), ngram=proposer)
     for drafter in (NgramDrafter(proposer), head_off):

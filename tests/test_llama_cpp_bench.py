@@ -50,7 +50,7 @@ def bench_config(tmp_path, gguf_dir="", methods=METHODS, temperatures=(0.0, 1.0)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["Tell me about the sea.", "Count to four"]))
     return ServeConfig(compile="false", target=TargetConfig(name="tiny_llama", source="tiny", device="cpu"),
-                       head=HeadConfig(path="random"), tree=TreeConfig(auto=False, depth=2, topk=2, total_tokens=3),
+                       head=HeadConfig(path="random"), tree=TreeConfig(online=False, depth=2, topk=2, total_tokens=3),
                        bench=BenchConfig(dataset=str(prompts), limit=0, methods=list(methods),
                                          temperatures=list(temperatures), warmup=0, gguf_dir=gguf_dir,
                                          llama_cpp_args=list(extra)),

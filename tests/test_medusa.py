@@ -127,7 +127,7 @@ def test_head_medusa_trains_exports_and_serves_losslessly(tmp_path):
     assert losses[-1] < losses[0]
     card = read_card(out)
     assert card.kind == "medusa" and len(card.heldout_top1) == 3
-    drafter = build_medusa_drafter(MedusaConfig(path=str(out)), TreeConfig(auto=False, depth=3, topk=2,
+    drafter = build_medusa_drafter(MedusaConfig(path=str(out)), TreeConfig(online=False, depth=3, topk=2,
                                                                             total_tokens=5), recipe.target)
     for prompt in prompts(2):
         plain, spec = run_both(recipe.target, drafter, prompt, new_tokens=24)

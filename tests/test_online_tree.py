@@ -216,3 +216,78 @@ def test_online_hybrid_decoding_is_lossless_and_merges_chains(tiny_target):
                                          Stopper(tiny_target.tokenizer, 48, set())))
     assert result.token_ids == plain.token_ids
     assert merged[0] > 0 and 0 in merged  # chains merged on the prior, then dropped when never accepted
+
+
+class Script:
+    """A controller that drafts the lengths of `script` in turn and records what it is told of each round."""
+
+    def __init__(self, script: list[int]):
+        self.script, self.turn, self.told = script, 0, []
+
+    def choose(self, temperature: float = 0.0, proposed: int = 0) -> tuple[int, int]:
+        self.turn += 1
+        return self.script[(self.turn - 1) % len(self.script)], 0
+
+    def observe(self, length, accepted, ms=None, chain=0, chain_accepted=0) -> None:
+        self.told.append((length, accepted))
+
+    def reset(self) -> None:
+        self.turn, self.told = 0, []
+
+    def fork(self):
+        return self
+
+
+def test_batched_rows_draft_their_controllers_chains_losslessly(tiny_target):
+    """Three sequences decode in one batch of rows, each drafting the chain length its own controller picks (0 too:
+    then it scores the root alone), sharing head steps where they draft: each sequence's tokens equal plain greedy
+    decoding, and each controller hears of every round it planned, with the accepted count its sequence saw."""
+    from eagle_lab.serving.batch_draft import BatchDrafter
+    from eagle_lab.serving.sequence import Sequence, score_rows
+    from tests.scheduler_helpers import static_rows
+
+    prompts = [torch.tensor(p) for p in ([5, 9, 3, 17, 2, 11], [4, 4, 8, 1], [30, 2, 7, 7, 7, 19, 3])]
+    scripts = [[3, 0, 1], [2, 2, 0, 0], [1, 3]]
+    prototype = _drafter(tiny_target)
+    rows = static_rows(tiny_target, rows=4)
+    sequences, controllers = [], []
+    for prompt, script in zip(prompts, scripts):
+        drafter = prototype.fork()
+        controllers.append(Script(script))
+        drafter.control(controllers[-1])
+        sequences.append(Sequence(tiny_target, drafter, prompt, SamplingParams(),
+                                  Stopper(tiny_target.tokenizer, 30, set()), None, rows))
+        sequences[-1].prefill()
+    drafting, seen = BatchDrafter(), [[] for _ in sequences]
+    while not any(s.done for s in sequences):
+        assert drafting.draft(sequences) == [None] * len(sequences)
+        lengths = [s.tree.size - 1 for s in sequences]
+        for index, (sequence, row) in enumerate(zip(sequences, score_rows(rows, sequences))):
+            seen[index].append((lengths[index], len(sequence.accept(row)) - 1))
+    drafting.release()
+    assert any(b.gathers for b in drafting.batches.values())  # rows that drafted shared head steps
+    for sequence, prompt, controller, script, rounds in zip(sequences, prompts, controllers, scripts, seen):
+        stopper = Stopper(tiny_target.tokenizer, 30, set())
+        plain = generate(vanilla_decode(tiny_target, prompt, SamplingParams(), stopper))
+        assert sequence.stopper.generated == plain.token_ids[:len(sequence.stopper.generated)]
+        assert [length for length, _ in rounds] == [script[i % len(script)] for i in range(len(rounds))]
+        assert controller.told == rounds[:-1]  # every round but the last (told when the next is planned)
+
+
+def test_a_server_of_controlled_drafters_gives_each_request_its_output_alone(tiny_llama):
+    """The scheduler's batched rounds over requests whose drafters each have a controller (forks of one prototype,
+    sharing its cost curve): every request's greedy tokens are the ones it gets decoded alone."""
+    from eagle_lab.serving.batching import BatchScheduler
+    from eagle_lab.serving.drafters import drafter_factory
+    from eagle_lab.serving.engine import Engine
+    from tests.scheduler_helpers import expected_alone, plan, run_plans, static_rows
+    from tests.serving_helpers import TINY, serve_config
+
+    controller = ChainController(max_depth=3, memory=costs(10, 10.5, 11, 11.5), prior=[0.6, 0.5, 0.4])
+    prototype = EagleDrafter(new_head(tiny_llama, seed=2), tiny_llama, TreeShape(3, 1, 3), controller=controller)
+    engine = Engine(serve_config(*TINY), tiny_llama, drafter_factory(prototype), static_rows(tiny_llama))
+    plans = [plan(engine, f"Request {i}: {'q' * (3 * i)} 4 5 4 5", n) for i, n in enumerate((12, 28, 20))]
+    clients = run_plans(BatchScheduler(max_batch=3, max_queue=8, target=engine.target, rows=engine.rows), engine, plans)
+    assert [c.tokens for c in clients] == [expected_alone(engine, p) for p in plans]
+    depths = [len(c.decoding.sequence.stats.reached_depth) for c in clients]
+    assert max(depths) >= 1  # the controllers drafted

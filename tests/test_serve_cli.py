@@ -57,7 +57,7 @@ def test_json_contract_and_methods_agree(tmp_path):
 
 
 def test_ngram_methods_agree_with_vanilla(tmp_path):
-    """method=ngram (no head) and method=eagle with ngram.enabled=true (tree=auto prices the chains)."""
+    """method=ngram (no head) and method=eagle with ngram.enabled=true (tree=online prices the chains)."""
     common = ("target=tiny_llama", "prompt=one two three one two three one two three", "chat=false",
               "max_new_tokens=20", "ignore_eos=true", "output=json", "ngram.min_match=1")
     outputs = {}
@@ -69,7 +69,7 @@ def test_ngram_methods_agree_with_vanilla(tmp_path):
         assert row["new_tokens"] == 20 and row["accepted_ngram_tokens"] <= row["accepted_draft_tokens"]
         outputs[name] = row["token_ids"]
         if name == "hybrid":
-            assert "tree=auto chose" in run.stderr
+            assert "tree=online: each round drafts a chain of 0-3 tokens (and merges n-gram" in run.stderr
     assert outputs["ngram"] == outputs["vanilla"] and outputs["hybrid"] == outputs["vanilla"]
 
 
@@ -149,9 +149,9 @@ def bad_inputs(tmp: Path, heads: Path) -> dict[str, tuple[list[str], str]]:
         "medusa path not a medusa head": (["method=medusa", f"medusa.path={tmp}"], "not a Medusa head directory"),
         "draft model without a path": (["method=draft_model"], "draft_model.path=DIR"),
         "draft model path not a model": (["method=draft_model", f"draft_model.path={tmp}"], "not a model directory"),
-        "tree min_gain below one": (["tree.min_gain=0.5"], "tree.min_gain"),
         "tree batch_min_gain below one": (["tree.batch_min_gain=0.9"], "tree.batch_min_gain"),
-        "tree sampled_min_gain below one": (["tree.sampled_min_gain=0.9"], "tree.sampled_min_gain"),
+        "online tree without a chain": (["tree.depth=0"], "tree.depth"),
+        "fixed tree without a shape": (["tree=cpu", "tree.topk=0"], "tree.depth, tree.topk and tree.total_tokens"),
     }
 
 

@@ -181,7 +181,7 @@ def test_compiled_head_step_drafts_what_the_eager_head_drafts(tiny_llama):
 
 
 def test_one_compiled_head_graph_serves_every_top_k_up_to_its_own(tiny_llama, monkeypatch, tmp_path):
-    """tree=auto asks for top-k 1..8: a compiled step returns GRAPH_TOP_K drafts and slices them, so the
+    """Trees ask for top-k 1..8: a compiled step returns GRAPH_TOP_K drafts and slices them, so the
     same rows and cache need one graph, and each k gets what the eager step gives."""
     monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path))
     head = new_head(tiny_llama, seed=4)

@@ -65,17 +65,12 @@ def config_summary(cfg: ServeConfig, target: Target, num_prompts: int,
         # methods that named their own head (eagle/NAME): the head each ran
         "method_heads": {m: head_config(cfg, method_head(m)).path or f"packaged {method_head(m)}"
                          for m in drafters if method_head(m)},
-        "tree": asdict(eagle[0].shape) if eagle else None,  # as used (tree=auto resolved)
-        "tree_auto": cfg.tree.auto,
+        "tree": asdict(eagle[0].shape) if eagle else None,  # as used (tree=online: the longest chain)
+        "tree_online": cfg.tree.online,
         # every head method's tree as used (methods named method@preset ran that preset)
         "trees": {m: asdict(d.shape) for m, d in drafters.items() if isinstance(d, EagleDrafter)},
-        # tree=auto's tree per temperature for each head method ({method: {T: tree, ngram_tokens}})
-        "trees_by_temperature": {m: {f"{c.temperature:g}": {**asdict(c.shape),
-                                                              "ngram_tokens": c.ngram.max_tokens if c.ngram else 0}
-                                     for c in d.choices}
-                                 for m, d in drafters.items() if isinstance(d, EagleDrafter) and d.choices},
         "ngram": asdict(cfg.ngram) if uses_ngram else None,
-        # eagle+ngram as used: its tree and chain length (tree=auto may choose others than eagle's, or none)
+        # eagle+ngram as used: its tree and longest chain
         "hybrid": ({"tree": asdict(hybrid.shape), "ngram_tokens": hybrid.ngram.max_tokens if hybrid.ngram else 0}
                    if isinstance(hybrid, EagleDrafter) else None),
         "device": str(device),

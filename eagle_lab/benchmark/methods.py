@@ -60,7 +60,7 @@ def head_config(cfg: ServeConfig, name: str) -> HeadConfig:
 
 def build_drafters(cfg: ServeConfig, target: Target, backend: Backend | None = None) -> dict[str, Drafter]:
     """One drafter per speculative method requested; head methods naming the same head share it
-    (under tree=auto each is calibrated, and cached, on its own)."""
+    (under tree=online each times its cost curve, cached, on its own)."""
     methods = cfg.bench.methods
     heads = {name: build_head(head_config(cfg, name), target)
              for name in dict.fromkeys(method_head(m) for m in methods if split_method(m)[0] in HEAD_METHODS)}
@@ -71,7 +71,7 @@ def build_drafters(cfg: ServeConfig, target: Target, backend: Backend | None = N
         head = heads.get(method_head(method))
         if base in ("eagle", "eagle+ngram"):
             proposer = ngram_proposer(cfg.ngram) if base == "eagle+ngram" else None
-            drafters[method] = build_drafter(head, target, tree, proposer, backend, temperatures=cfg.bench.temperatures,
+            drafters[method] = build_drafter(head, target, tree, proposer, backend,
                                              prior=head_prior(head_config(cfg, method_head(method)), target))
         elif base == "ngram":
             drafters[method] = NgramDrafter(ngram_proposer(cfg.ngram))
@@ -83,7 +83,7 @@ def build_drafters(cfg: ServeConfig, target: Target, backend: Backend | None = N
 
 def tree_label(tree: TreeConfig) -> str:
     """How head cards key MT-bench tau: the preset's name, or the shape."""
-    return "auto" if tree.auto else tree.name or f"d{tree.depth}-k{tree.topk}-n{tree.total_tokens}"
+    return tree.name or ("online" if tree.online else f"d{tree.depth}-k{tree.topk}-n{tree.total_tokens}")
 
 def validate_bench(cfg: ServeConfig) -> None:
     """Refuse unknown or repeated methods, bad temperatures and a negative warm-up up front."""

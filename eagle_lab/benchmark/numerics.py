@@ -25,7 +25,7 @@ import torch
 from eagle_lab.errors import EagleLabError, key_values
 from eagle_lab.models.prompts import encode_prompt, has_chat_template
 from eagle_lab.models.target import Target, TargetConfig, load_target
-from eagle_lab.tree_search.auto import CALIBRATION_PROMPTS
+from eagle_lab.tree_search.costs import CALIBRATION_PROMPTS
 
 
 @dataclass

@@ -28,7 +28,7 @@ from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError, key_values
 from eagle_lab.models.prompts import encode_prompt, has_chat_template
 from eagle_lab.models.target import TargetConfig, load_target
-from eagle_lab.tree_search.auto import CALIBRATION_PROMPTS
+from eagle_lab.tree_search.costs import CALIBRATION_PROMPTS
 
 PHASES = {"drafted": "drafting", "scored": "scoring forward (target + LM head)", "verified": "verification",
           "committed": "commit (cache compaction)"}

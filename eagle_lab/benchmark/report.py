@@ -31,7 +31,7 @@ def write_markdown(results: dict[str, Any]) -> str:
         "",
         f"{cfg['num_prompts']} prompts, max_new_tokens {cfg['max_new_tokens']}, ignore_eos {cfg['ignore_eos']}, "
         f"device {cfg['device']} ({cfg['dtype']}), head {cfg['head'] or '-'}, tree depth {tree['depth']} / "
-        f"topk {tree['topk']} / {tree['total_tokens']} tokens{' (tree=auto)' if cfg['tree_auto'] else ''}; "
+        f"topk {tree['topk']} / {tree['total_tokens']} tokens{' (tree=online)' if cfg.get('tree_online') else ''}; "
         f"torch {cfg['torch']}, transformers {cfg['transformers']}",
         *_ngram_lines(cfg),
         *_llama_cpp_lines(cfg),
@@ -142,7 +142,7 @@ def write_sweep(results: dict[str, Any], run_dir: Path) -> str:
         f"## Concurrency sweep: {cfg['target']} on {cfg['dataset']}",
         "",
         f"{cfg['prompts']} prompts per level, max_new_tokens {cfg['max_new_tokens']}, ignore_eos {cfg['ignore_eos']}, "
-        f"device {cfg['device']} ({cfg['dtype']}){', tree=auto' if cfg['tree_auto'] else ''}; "
+        f"device {cfg['device']} ({cfg['dtype']}){', tree=online' if cfg.get('tree_online') else ''}; "
         "closed-loop clients, max_batch = concurrency",
         "",
         "| T | method | clients | tokens/s | latency p50 (s) | p95 (s) | tree at this batch | rounds per batch size | "

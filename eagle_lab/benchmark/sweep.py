@@ -7,7 +7,7 @@ client sending its next prompt when its last one finished. Reported per (method,
   total tokens/s   all new tokens / wall time of the level
   latency p50/p95  per request, from submission to its last token
   batch sizes      rounds scored at each batch size (how full the batch really was)
-  tree             the tree each batch size drafts (tree=auto: from eagle_lab/serving/batch_trees.py)
+  tree             the tree each batch size drafts (eagle_lab/serving/batch_trees.py)
   greedy mismatch  at T=0, requests whose tokens differ from the same method at c = 1 and
                    from vanilla at c = 1 (batching is lossless: both must be 0)
 Results go to sweep.json, sweep.md and sweep.png in the run directory.
@@ -103,7 +103,7 @@ def run_sweep(cfg: ServeConfig, run_dir: Path) -> dict[str, Any]:
     mark_mismatches(rows)
     results = {"config": {"target": target.name, "device": str(target.device), "dtype": str(target.dtype),
                           "dataset": cfg.bench.dataset, "prompts": len(encoded), "max_new_tokens": cfg.max_new_tokens,
-                          "ignore_eos": cfg.ignore_eos, "tree_auto": cfg.tree.auto, "methods": methods,
+                          "ignore_eos": cfg.ignore_eos, "tree_online": cfg.tree.online, "methods": methods,
                           "decoding": backend.name,
                           "concurrency": levels},
                "trees": {m: {str(t): {str(b): tree_shape(per_batch, b, SamplingParams(t)) for b in levels}
@@ -117,7 +117,7 @@ def _engine(cfg: ServeConfig, method: str, target: Target, max_batch: int, backe
     """The server's engine for `method`, and its trees:
     {"prototype": the drafter, "trees": the policy at batch >= 2}."""
     method_cfg = replace(cfg, method=method, server=replace(cfg.server, max_batch=max_batch))
-    prototype = make_drafter(method_cfg, target, backend, temperatures=cfg.bench.temperatures)
+    prototype = make_drafter(method_cfg, target, backend)
     per_batch = {"prototype": prototype, "trees": batch_trees(method_cfg, target, prototype, rows)}
     return Engine(method_cfg, target, drafter_factory(prototype), rows), per_batch
 
@@ -131,7 +131,7 @@ def tree_shape(per_batch: dict, batch: int, params: SamplingParams) -> dict | No
     tree = per_batch["trees"].tree(batch, params)
     if tree is not None:
         return {**asdict(tree.shape), "ngram_tokens": tree.ngram_tokens or 0}
-    shape, ngram = prototype.tree_for(params)
+    shape, ngram = prototype.shape, prototype.ngram  # under tree=online: the longest chain the controller drafts
     return {**asdict(shape), "ngram_tokens": ngram.max_tokens if ngram is not None else 0}
 
 

@@ -71,7 +71,7 @@ def source_digest(sources: tuple[str, ...]) -> str:
 
 def code_digest(sources: tuple[str, ...]) -> str:
     """source_digest of the code alone: Python files are read through `ast`, without docstrings, comments
-    or layout, so an edit to the prose keeps what was measured with the code (tree=auto's calibrations)
+    or layout, so an edit to the prose keeps what was measured with the code (the cost curves)
     valid. Other files (the C++ kernels) count byte for byte."""
     return _digest(sources, lambda path: python_code(path.read_text()).encode() if path.suffix == ".py"
                    else path.read_bytes())

@@ -34,8 +34,8 @@ class SamplingParams:
 
 
 def temperature_key(temperature: float) -> str:
-    """A temperature as a JSON key, "0.0", "0.7", "1.0": the bench's results by temperature and tree=auto's
-    sampled accept lengths (readers take float() of it)."""
+    """A temperature as a JSON key, "0.0", "0.7", "1.0": the bench's results by temperature (readers take
+    float() of it)."""
     return str(float(temperature))
 
 

@@ -1,5 +1,6 @@
-"""What every tree drafter shares: tree shapes (and tree=auto's choices of them), the candidates a draft
-considered, and EAGLE-2's dynamic tree growth, which the EAGLE, Medusa and draft-model drafters all use."""
+"""What every tree drafter shares: tree shapes (and the controller that chooses a chain's length), the
+candidates a draft considered, and EAGLE-2's dynamic tree growth, which the EAGLE, Medusa and draft-model
+drafters all use."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from typing import Protocol
 import torch
 
 from eagle_lab.decoding.tree import DraftTree, best_nodes, tree_from_lists
-from eagle_lab.drafters.ngram import NgramProposer
 from eagle_lab.errors import EagleLabError
 
 log = logging.getLogger(__name__)
@@ -28,19 +28,14 @@ class TreeShape:
             raise EagleLabError(f"tree needs depth, topk and total_tokens >= 0; got {self}")
 
 
-UNTUNED_SHAPE = TreeShape(depth=3, topk=1, total_tokens=3)  # a chain: 4 tokens score at one token's cost
-
-
-def untuned_shape(method: str, auto: bool, depth: int, topk: int, total_tokens: int) -> TreeShape:
-    """The tree of a drafter that tree=auto does not calibrate (it times EAGLE heads):
-    tree.depth/topk/total_tokens when set, else under tree=auto a chain of 3."""
-    if depth and topk and total_tokens:
+def untuned_shape(method: str, online: bool, depth: int, topk: int, total_tokens: int) -> TreeShape:
+    """The tree of a drafter the online controller does not drive (it drives EAGLE heads): under tree=online a
+    chain of tree.depth tokens, else the fixed shape tree.depth / topk / total_tokens."""
+    if not online:
         return TreeShape(depth, topk, total_tokens)
-    if not auto:
-        raise EagleLabError("tree.auto=false needs tree.depth, tree.topk and tree.total_tokens > 0")
-    log.info("method=%s: tree=auto calibrates EAGLE heads only; drafting a chain of %d "
-             "(set tree=cpu or tree.depth/topk/total_tokens for a tree)", method, UNTUNED_SHAPE.depth)
-    return UNTUNED_SHAPE
+    log.info("method=%s: tree=online chooses chain lengths for EAGLE heads only; drafting a chain of %d "
+             "(tree=cpu or tree.depth/topk/total_tokens for a fixed tree)", method, depth)
+    return TreeShape(depth, 1, depth)
 
 
 class ChainControl(Protocol):
@@ -63,17 +58,6 @@ class ChainControl(Protocol):
     def fork(self) -> ChainControl:
         """A controller for another sequence (what it learnt of the machine shared)."""
         ...
-
-
-@dataclass(frozen=True)
-class TreeChoice:
-    """tree=auto's tree for one sampling temperature (0: greedy): the head's shape and, with hybrid
-    drafting, the n-gram proposer merged into it (None: no chains). Sampling accepts fewer draft
-    tokens than greedy decoding, so a smaller tree, or none, can be faster there."""
-
-    temperature: float
-    shape: TreeShape
-    ngram: NgramProposer | None = None
 
 
 @dataclass(frozen=True)

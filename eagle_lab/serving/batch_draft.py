@@ -40,9 +40,9 @@ from eagle_lab.serving.sequence import Sequence
 def runs_head(sequence: Sequence) -> bool:
     """After prepare_draft: will this sequence's drafter run its head (EagleDrafter, drafting on)?"""
     drafter = sequence.drafter
-    if not isinstance(drafter, EagleDrafter):
+    if not isinstance(drafter, EagleDrafter) or drafter.has_backlog:  # a backlog is fed by drafting alone
         return False
-    shape = drafter.shape
+    shape = drafter.round_shape
     return shape.depth >= 1 and shape.topk >= 1 and shape.total_tokens >= 1
 
 
@@ -51,7 +51,7 @@ class Row:
 
     def __init__(self, sequence: Sequence, max_depth: int):
         self.sequence, self.drafter, self.max_depth = sequence, sequence.drafter, max_depth
-        shape = self.drafter.shape
+        shape = self.drafter.round_shape
         self.depth = min(shape.depth, max_depth)  # levels drafted; < 1: commit only, the tree is the root
         self.k = min(shape.topk, self.drafter.head.arch.draft_vocab_size)
         self.growth: TreeGrowth | None = None

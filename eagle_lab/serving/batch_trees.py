@@ -1,17 +1,15 @@
-"""tree=auto's tree policy for the server: (batch size, temperature) -> the tree a row drafts.
+"""The server's tree policy: (batch size, temperature) -> drafting or plain decoding for a row.
 
-At batch 1 a row drafts its drafter's own tree: tree=auto's choice for the request's temperature
-(EagleDrafter.select). A forward of B rows costs about what one row costs up to a few tokens per
-row, then grows with B x K, so that tree may stop paying as the batch grows. At batch 2, 4, 8 (and
-max_batch), and at each temperature tree=auto chose a tree for, the own tree and plain decoding
-each decode B calibration prompts together in the scheduler's own round on the static rows
-(eagle_lab.serving.timed_batch), sampled rows with seeded generators, twice, the second run timed;
-the faster wins, the tree only when it beats plain decoding by `min_gain`. A batch size between two
-timed ones takes the choice of the next one up; a request's temperature takes the nearest one timed.
-Compiled, the first timing at each B compiles its graphs (minutes the first time; kept on disk). The
-choices are cached beside tree=auto's calibration, keyed by what the timings depend on (tree=auto's
-fingerprint, the trees, the batch sizes, the static rows, the batched round's code), so a restart
-reuses them.
+At batch 1 a row drafts its drafter's own tree (under tree=online, the chain its controller chooses each round). A
+forward of B rows costs about what one row costs up to a few tokens per row, then grows with B x K, so drafting may
+stop paying as the batch grows. At batch 2, 4, 8 (and max_batch) and at each temperature requests are expected at,
+drafting (each row its own tree or controller) and plain decoding each decode B calibration prompts together in the
+scheduler's own round on the static rows (eagle_lab.serving.timed_batch), sampled rows with seeded generators,
+twice, the second run timed; drafting is kept only where it beats plain decoding by `min_gain`. A batch size
+between two timed ones takes the choice of the next one up; a request's temperature takes the nearest one timed.
+Compiled, the first timing at each B compiles its graphs (minutes the first time; kept on disk). The choices are
+cached, keyed by what the timings depend on (the round's timing fingerprint, the tree, the batch sizes, the static
+rows, the batched round's code), so a restart reuses them.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ from eagle_lab.drafters.growth import BatchTree, TreeShape
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.target import Target
 from eagle_lab.serving.timed_batch import timed_batch_decoding
-from eagle_lab.tree_search.auto import calibration_fingerprint
-from eagle_lab.tree_search.space import TreeSearchConfig
+from eagle_lab.tree_search.costs import timing_fingerprint
 
 log = logging.getLogger(__name__)
 PROBE_BATCHES = (2, 4, 8)
@@ -65,12 +62,13 @@ class BatchTrees:
 
 
 def choose_batch_trees(target: Target, drafter: EagleDrafter, rows: StaticRows, max_batch: int,
-                       prompts: list[list[int]], new_tokens: int, min_gain: float = 1.0) -> BatchTrees:
-    """Time the own tree against plain decoding at each probed batch size and temperature (see the module doc)."""
+                       prompts: list[list[int]], new_tokens: int, min_gain: float = 1.0,
+                       temperatures: tuple[float, ...] = (0.0,)) -> BatchTrees:
+    """Time drafting against plain decoding at each probed batch size and temperature (see the module doc)."""
     if max_batch < 2:
         return BatchTrees.own()
     sizes = sorted({b for b in PROBE_BATCHES if b < max_batch} | {max_batch})
-    temperatures = sorted({choice.temperature for choice in drafter.choices}) or [0.0]
+    temperatures = sorted(set(temperatures))
     path = _choice_path(target, drafter, rows, sizes, new_tokens, min_gain)
     if path.is_file():
         names = {float(t): {int(b): name for b, name in by_batch.items()}
@@ -88,10 +86,8 @@ def choose_batch_trees(target: Target, drafter: EagleDrafter, rows: StaticRows, 
 
 def _timed_choices(target: Target, drafter: EagleDrafter, rows: StaticRows, sizes: list[int], temperature: float,
                    prompts: list[list[int]], new_tokens: int, min_gain: float) -> dict[int, str]:
-    """batch size -> 'tree' or 'plain' at this temperature ('tree' without timing when the own tree is plain)."""
+    """batch size -> 'tree' or 'plain' at this temperature."""
     params = SamplingParams(temperature)
-    if not _drafts(drafter, params):
-        return {batch: "tree" for batch in sizes}  # the own tree is plain decoding already
     choices = {}
     for batch in sizes:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
@@ -109,12 +105,6 @@ def _timed_choices(target: Target, drafter: EagleDrafter, rows: StaticRows, size
     return choices
 
 
-def _drafts(drafter: EagleDrafter, params: SamplingParams) -> bool:
-    """Whether the drafter's own tree for these parameters drafts anything."""
-    shape, ngram = drafter.tree_for(params)
-    return shape.depth > 0 or ngram is not None
-
-
 def _summary(names: dict[float, dict[int, str]]) -> str:
     return "; ".join(f"T={t:g}: " + ", ".join(f"batch {b} {name}" for b, name in sorted(by_batch.items()))
                      for t, by_batch in sorted(names.items()))
@@ -122,12 +112,10 @@ def _summary(names: dict[float, dict[int, str]]) -> str:
 
 def _choice_path(target: Target, drafter: EagleDrafter, rows: StaticRows, sizes: list[int], new_tokens: int,
                  min_gain: float) -> Path:
-    trees = [[c.temperature, c.shape.depth, c.shape.topk, c.shape.total_tokens,
-              c.ngram.max_tokens if c.ngram is not None else None] for c in drafter.choices]
     own = [drafter.shape.depth, drafter.shape.topk, drafter.shape.total_tokens,
-           drafter.ngram.max_tokens if drafter.ngram is not None else None]
-    fields = {"calibration": calibration_fingerprint(target, drafter, TreeSearchConfig(), drafter.ngram, rows.backend),
-              "trees": trees or [own], "sizes": sizes, "rows": [len(rows.rows), rows.capacity, rows.backend.name],
+           drafter.ngram.max_tokens if drafter.ngram is not None else None, drafter.controller is not None]
+    fields = {"timing": timing_fingerprint(target, drafter, drafter.ngram, rows.backend), "tree": own, "sizes": sizes,
+              "rows": [len(rows.rows), rows.capacity, rows.backend.name],
               "new_tokens": new_tokens, "min_gain": min_gain, "round": code_digest(ROUND_SOURCES)}
     blob = json.dumps(fields, sort_keys=True, default=str)
-    return cache_root() / "tree_auto" / f"{target.name}-rows-{hashlib.sha1(blob.encode()).hexdigest()[:16]}.json"
+    return cache_root() / "tree_online" / f"{target.name}-rows-{hashlib.sha1(blob.encode()).hexdigest()[:16]}.json"

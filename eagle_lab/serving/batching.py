@@ -5,8 +5,8 @@ leave between rounds, Scheduler._admit):
   1. cancelled jobs leave (their rows are freed);
   2. jobs admitted since the last round run their prefill alone (prompts differ in length, and
      a prefill is already a wide forward) and send their first token;
-  3. every other job drafts its tree: at batch 1 the drafter's own (tree=auto's choice for the
-     request's temperature), at batch B >= 2 what the tree policy says for B and that temperature
+  3. every other job drafts its tree: at batch 1 the drafter's own (under tree=online the chain its
+     controller chooses), at batch B >= 2 what the tree policy says for B and the request's temperature
      (eagle_lab.serving.batch_trees: the own tree or plain decoding). Jobs sharing a head draft
      together, one head forward per tree level (eagle_lab.serving.batch_draft);
   4. one forward of the static rows scores all trees (eagle_lab.decoding.static_rows: every

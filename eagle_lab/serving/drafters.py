@@ -4,7 +4,7 @@ An `EagleDrafter` keeps per-sequence state between rounds: the head's KV cache o
 committed tokens (`cache`, `committed`) and the last round's candidates. Two sequences whose
 rounds interleave through one drafter would read each other's cache, so every sequence gets
 its own drafter. The forks share what is read-only: the head module (weights), the target,
-the tree shape (tree=auto measured it once, on the prototype) and the draft LM-head rows
+the tree shape, the controller's cost curve (tree=online) and the draft LM-head rows
 (`lm_weight`: with a reduced draft vocabulary it is a copy of [Vd, H] rows, not re-made per fork).
 At batch >= 2 forks of one head draft together (eagle_lab.serving.batch_draft), in a padded copy
 of their caches that is handed back to each fork when the batch changes.

@@ -24,7 +24,6 @@ from eagle_lab.decoding.generate import GenerationStats, Stopper
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.static_rows import RowScore, StaticRows
 from eagle_lab.decoding.tree import Drafter
-from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.models.target import Target
@@ -185,8 +184,6 @@ class Engine:
         stopper = Stopper(target.tokenizer, plan.max_tokens, eos, plan.stop)
         plain = self.cfg.method == "vanilla"
         drafter = None if plain else self.new_drafter()
-        if isinstance(drafter, EagleDrafter):
-            drafter.select(plan.params)  # a fork of its own: tree=auto's tree for this request's temperature
         sequence = Sequence(target, drafter, as_tensor(plan.prompt_ids, target.device),
                             plan.params, stopper, make_generator(plan.seed, target.device), plain=plain,
                             rows=self.rows)

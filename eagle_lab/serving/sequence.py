@@ -124,6 +124,11 @@ class Sequence:
         if effective is not None and hasattr(self.drafter, "use_tree"):
             self.drafter.use_tree(effective, ngram)
         plain = effective is not None and effective.depth == 0 and ngram is None
+        if shape is None and getattr(self.drafter, "controller", None) is not None:  # the controller's round
+            planned, chain = self.drafter.plan(self.sequence, self.draft_sampling)
+            plain = planned.depth == 0 and not chain
+            if plain:
+                self.drafter.drop_plan()  # the features stay unseen here until a round drafts
         if self.drafter is None or plain:  # (with n-gram branches, depth 0 is n-gram drafting alone)
             self.tree = root_only_tree(root, device)
             return None

@@ -25,11 +25,11 @@ from eagle_lab.serving.drafters import drafter_factory
 from eagle_lab.serving.engine import Engine
 from eagle_lab.serving.scheduler import ModelThread
 from eagle_lab.serving.timed_batch import build_row_graphs
-from eagle_lab.tree_search.auto import calibration_prompts
-from eagle_lab.tree_search.space import TreeSearchConfig
+from eagle_lab.tree_search.costs import calibration_prompts
 
 log = logging.getLogger(__name__)
-SERVER_TEMPERATURES = (0.0, *TreeSearchConfig().sampled_temperatures)  # what requests may ask: a tree for each
+SERVER_TEMPERATURES = (0.0, 0.7, 1.0)  # the temperatures the tree per batch size is timed at (a request: the nearest)
+BATCH_TIMING_TOKENS = 48  # tokens each calibration prompt decodes when drafting is timed against plain decoding
 
 
 def check_server_config(cfg: ServerConfig) -> None:
@@ -81,11 +81,10 @@ def prepare_decoding(cfg: ServeConfig, target):
     `python -m eagle_lab.compile` calls it too, so that a server's start only loads."""
     backend = build_backend(target, cfg.compile, cfg.decoding, compile_ahead=True)
     rows = serving_rows(backend, cfg.server.max_batch, cfg.server.context, cfg.decoding)
-    # requests choose their temperature: a tree for greedy decoding and for each temperature tree=auto prices
-    prototype = make_drafter(cfg, target, backend, temperatures=SERVER_TEMPERATURES)
+    prototype = make_drafter(cfg, target, backend)
     eagle = prototype if isinstance(prototype, EagleDrafter) else None
     if rows.backend.compiled and (eagle is not None or prototype is None):
-        build_row_graphs(target, eagle, rows, calibration_prompts(target)[0])
+        build_row_graphs(target, eagle, rows, calibration_prompts(target)[0], SERVER_TEMPERATURES)
     if isinstance(backend, StaticBackend):
         backend.stop_building()
         if eagle is not None:
@@ -110,14 +109,14 @@ def serving_rows(backend, max_batch: int, context: int, decoding: DecodingConfig
 
 
 def batch_trees(cfg: ServeConfig, target, prototype, rows: StaticRows) -> BatchTrees:
-    """tree=auto with server.tree_per_batch: the tree policy at batch >= 2 (eagle_lab/serving/batch_trees.py);
+    """tree=online with server.tree_per_batch: the tree policy at batch >= 2 (eagle_lab/serving/batch_trees.py);
     otherwise every sequence drafts its own tree at every batch size."""
-    if not (cfg.tree.auto and cfg.server.tree_per_batch and isinstance(prototype, EagleDrafter)):
+    if not (cfg.tree.online and cfg.server.tree_per_batch and isinstance(prototype, EagleDrafter)):
         return BatchTrees.own()
-    log.info("tree=auto: timing each temperature's tree against plain decoding at each batch size up to %d (%s)",
-             cfg.server.max_batch, rows.backend.name)
+    log.info("timing drafting against plain decoding at each batch size up to %d (%s)", cfg.server.max_batch,
+             rows.backend.name)
     return choose_batch_trees(target, prototype, rows, cfg.server.max_batch, calibration_prompts(target),
-                              TreeSearchConfig().new_tokens, cfg.tree.batch_min_gain)
+                              BATCH_TIMING_TOKENS, cfg.tree.batch_min_gain, SERVER_TEMPERATURES)
 
 
 def run_server(cfg: ServeConfig) -> None:

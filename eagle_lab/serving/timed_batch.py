@@ -37,8 +37,6 @@ def timed_batch_decoding(target: Target, prototype: EagleDrafter | None, prompts
     sequences = []
     for index, ids in enumerate(prompts):
         drafter = prototype.fork() if prototype is not None else None
-        if drafter is not None:
-            drafter.select(params)  # tree=auto's tree for this temperature, as the engine does for a request
         generator = None if params.greedy else make_generator(seed + index, target.device)
         sequences.append(Sequence(target, drafter, torch.tensor(ids, device=target.device), params,
                                   Stopper(target.tokenizer, new_tokens, set()), generator, rows))
@@ -65,13 +63,14 @@ def timed_batch_decoding(target: Target, prototype: EagleDrafter | None, prompts
             "outputs": [list(s.stopper.generated) for s in sequences]}
 
 
-def build_row_graphs(target: Target, drafter: EagleDrafter | None, rows: StaticRows, prompt: list[int]) -> None:
+def build_row_graphs(target: Target, drafter: EagleDrafter | None, rows: StaticRows, prompt: list[int],
+                     temperatures: tuple[float, ...] = (0.0,)) -> None:
     """Before a server listens: run every row count's plain step, and the step of each temperature's tree, once
     on `rows`, so that each compiles (or loads) for every attended length now (the backend's compile_ahead)
     and no request waits for a compile. Graphs already on disk load in milliseconds. drafter None: a
-    plain-decoding server."""
+    plain-decoding server. temperatures: those requests may ask."""
     plain = BatchTree(TreeShape(0, 0, 0), 0)
-    temperatures = (sorted({c.temperature for c in drafter.choices}) or [0.0]) if drafter is not None else []
+    temperatures = [] if drafter is None else sorted(temperatures)
     counts = rows.buckets
     prompt = prompt[:max(1, rows.context // 2)]  # room for the steps' tokens
     for index, count in enumerate(counts, 1):

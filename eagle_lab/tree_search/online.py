@@ -5,9 +5,9 @@ Acceptance climbs along a reply (a head drafts a reply's opening worst), so no s
 whole reply. The controller keeps, per chain length L (0 = no draft, then 1 .. max_depth):
   - its round's cost in ms: a cost curve timed once per machine (`measure_round_costs`: rounds of every
     length taken in turn within one decode, so the machine's drift falls on all of them alike; medians),
-    greedy and sampling (drawn drafts and rejection sampling cost more),
-    cached beside tree=auto's calibration under the same fingerprint (target, head, backend, graphs' code),
-    so it is timed again when any of them changes;
+    greedy and sampling (drawn drafts and rejection sampling cost more), cached under a fingerprint of what
+    it depends on (target, head, backend, the round's code: costs.timing_fingerprint), so it is timed again
+    when any of them changes;
   - the acceptance at each draft depth d, P(depth d accepted | depth d - 1 accepted), from decayed counts of
     this request's rounds (an observation counts half after `half_life` more rounds, so it follows the
     reply). Its prior, worth `PRIOR_WEIGHT` rounds, is what the drafter's earlier requests at the same

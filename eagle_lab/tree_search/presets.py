@@ -1,5 +1,5 @@
 """Tree presets by name, read from conf/tree/<name>.yaml: what `tree=<name>` composes in Hydra,
-for code that needs several trees in one run (bench methods such as eagle@auto). A fixed shape can be
+for code that needs several trees in one run (bench methods such as eagle@cpu). A fixed shape can be
 named inline too: `d2k1n2` is depth 2, top-k 1, 2 tokens (a 2-token chain); a `-top` suffix drafts the
 head's top-k at every temperature instead of drawing from it when sampling (tree.sampled_drafts=false)."""
 
@@ -28,7 +28,7 @@ def tree_preset(name: str) -> TreeConfig:
         depth, topk, total = (int(v) for v in inline.groups()[:3])
         if min(depth, topk, total) < 1:
             raise EagleLabError(f"tree '{name}': depth, top-k and tokens must be >= 1")
-        return TreeConfig(name=name, auto=False, depth=depth, topk=topk, total_tokens=total,
+        return TreeConfig(name=name, online=False, depth=depth, topk=topk, total_tokens=total,
                           sampled_drafts=inline.group(4) is None)
     path = TREE_DIR / f"{name}.yaml"
     if not path.is_file():

@@ -1,55 +1,35 @@
-"""The tree a user asks for (`tree=`, TreeConfig) and the space tree=auto searches (TreeSearchConfig)."""
+"""The tree a user asks for (`tree=`, TreeConfig)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-@dataclass
-class TreeSearchConfig:
-    depths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 7])
-    topks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8])
-    totals: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 48, 60])
-    record_shape: tuple[int, int, int] = (7, 8, 64)  # the largest shape searched: its candidates contain all others'
-    probe_shape: tuple[int, int, int] = (2, 2, 4)  # a small shape, timed to fit the overhead's slope
-    new_tokens: int = 48
-    # cached tokens behind the timed forwards and draft steps: about where the calibration's own runs decode (a
-    # chat prompt and new_tokens), so the model's prices agree with its timed no-draft and probe rounds; timed
-    # past 256 tokens (attending over 512 positions) a tree's forward costs more than the runs' own
-    context: int = 96
-    validate_new_tokens: int = 64  # per prompt when the best shapes are timed against plain decoding
-    # sampling temperatures whose expected accept lengths the recording prices (a sampled request
-    # drafts the tree chosen for the nearest of them, or for greedy decoding when that is nearer)
-    sampled_temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0])
+from eagle_lab.errors import EagleLabError
 
 
 @dataclass
 class TreeConfig:
-    """auto: measure this device and head, then pick the fastest shape (eagle_lab.tree_search.auto);
-    a non-zero depth / topk / total_tokens is kept as given (all three needed when auto=false)."""
+    """online: each round drafts the chain length, up to `depth`, expected to give the most tokens per ms
+    (eagle_lab.tree_search.online); else the fixed shape depth / topk / total_tokens (all three > 0)."""
 
-    name: str = ""  # the tree/ config it came from (head cards key MT-bench tau by it)
-    auto: bool = True
-    depth: int = 0
-    topk: int = 0
-    total_tokens: int = 0
-    # tree=auto drafts only where the fastest timed tree beats plain decoding, timed beside it, by
-    # this factor; else it decodes without drafts. min_gain: at batch 1 (serve.py, bench, a lone
-    # server request); batch_min_gain: at the server's batch sizes >= 2, where timings on the few
-    # calibration prompts overrated trees (docs/design-batching.md, "A tree per batch size"); at batch 1
-    # a small margin, so that a tie within the timings' noise keeps plain decoding
-    min_gain: float = 1.03
-    # the margin at batch 1 when sampling (T > 0): the few calibration prompts can rate a tree faster than
-    # plain decoding at T=1 where a full benchmark finds it slower (docs/design-tree-search.md)
-    sampled_min_gain: float = 1.1
+    name: str = "online"  # the tree/ config it came from (head cards key MT-bench tau by it)
+    online: bool = True
+    depth: int = 3
+    topk: int = 1
+    total_tokens: int = 3
+    # the server at batch sizes >= 2: rows draft only where drafting, timed beside plain decoding in the batched
+    # round, beats it by this factor (docs/design-batching.md, "A tree per batch size")
     batch_min_gain: float = 1.2
-    # on a device not calibrated yet, a run planned to decode fewer tokens than this (prompts x
-    # max_new_tokens) calibrates quickly (its candidates timed on one prompt) instead of in full (on
-    # all the calibration prompts, several times longer); 0: always in full
-    quick_below_tokens: int = 2048
-    # choose each round's chain length online, up to `depth` (3 when 0), from the acceptance this reply shows and
-    # the rounds' measured cost (eagle_lab/tree_search/online.py); tree=auto's calibration is not run
-    online: bool = False
     # at T > 0, draw the head's tree from its own distribution under the request's sampling parameters and
     # accept with min(1, p/q) (eagle_lab/drafters/sampled.py); false: its top-k tokens, as at T = 0
     sampled_drafts: bool = True
+
+    def validate(self) -> None:
+        if self.online and self.depth < 1:
+            raise EagleLabError(f"tree=online needs tree.depth >= 1 (the longest chain), got {self.depth}")
+        if not self.online and min(self.depth, self.topk, self.total_tokens) < 1:
+            raise EagleLabError("a fixed tree (tree.online=false) needs tree.depth, tree.topk and tree.total_tokens "
+                                f"> 0; got {self.depth} / {self.topk} / {self.total_tokens}")
+        if self.batch_min_gain < 1.0:
+            raise EagleLabError(f"tree.batch_min_gain must be >= 1 (how much faster than plain decoding drafting "
+                                f"must time at a server batch to be used); got {self.batch_min_gain}")

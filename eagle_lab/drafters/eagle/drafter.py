@@ -21,18 +21,17 @@ previous round accepted and cost; a round that drafts nothing keeps its features
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import time
 
 import torch
 
-from eagle_lab.decoding.sampling import DraftSampling, SamplingParams
+from eagle_lab.decoding.sampling import DraftSampling
 from eagle_lab.decoding.tree import DraftTree, chain_tree, root_only_tree
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache, draft_lm_head_weight
 from eagle_lab.drafters.eagle.head_runner import HeadStepRunner
-from eagle_lab.drafters.growth import Candidates, ChainControl, TreeChoice, TreeGrowth, TreeShape, grow_dynamic_tree
+from eagle_lab.drafters.growth import Candidates, ChainControl, TreeGrowth, TreeShape, grow_dynamic_tree
 from eagle_lab.drafters.ngram import NgramProposer, common_prefix, merge_chain
 from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
 from eagle_lab.models.target import Target
@@ -50,9 +49,11 @@ class EagleDrafter:
         self.head, self.target, self.shape = head.eval(), target, shape
         self.sampled_drafts = sampled_drafts
         self.controller = controller
-        # the controller's round in flight: (the head's drafted chain, the n-gram tokens merged, its start; None:
-        # not to be timed)
-        self._round: tuple[list[int], list[int], float | None] | None = None
+        # the controller's choice for the round being drafted: (chain shape, n-gram tokens to merge)
+        self._plan: tuple[TreeShape, list[int]] | None = None
+        # the controller's round in flight, read when the next is planned: (the head's drafted chain, the n-gram
+        # tokens merged, the sequence's length when it was drafted, its start; None: not to be timed)
+        self._round: tuple[list[int], list[int], int, float | None] | None = None
         self._unseen: torch.Tensor | None = None  # [P, F] features of rounds that drafted nothing, fed next time
         self.ngram = ngram  # hybrid drafting: an n-gram chain merged into every tree (None: off)
         self.rotary = target.rotary
@@ -68,23 +69,9 @@ class EagleDrafter:
         self.last_candidates: Candidates | None = None
         self.feature_layers = tuple(head.arch.feature_layers)  # target layers the head reads
         self.max_tree_tokens = 0  # > 0: n-gram chains are cut so a tree never has more nodes (static buckets)
-        self.choices: tuple[TreeChoice, ...] = ()  # tree=auto's trees by temperature (none: the shape is fixed)
 
     def new_cache(self) -> HeadKVCache:
         return HeadKVCache(min_capacity=self.cache_capacity)
-
-    def tree_for(self, params: SamplingParams) -> tuple[TreeShape, NgramProposer | None]:
-        """The tree tree=auto chose for the temperature nearest to params' (greedy: 0); a fixed tree (no
-        choices): the current one."""
-        if not self.choices:
-            return self.shape, self.ngram
-        temperature = 0.0 if params.greedy else params.temperature
-        choice = min(self.choices, key=lambda c: abs(c.temperature - temperature))
-        return choice.shape, choice.ngram
-
-    def select(self, params: SamplingParams) -> None:
-        """Draft tree_for(params) from now on. Call it on a drafter that decodes one sequence at a time."""
-        self.use_tree(*self.tree_for(params))
 
     def fork(self) -> EagleDrafter:
         """A drafter for another sequence: the head, target, tree and n-gram proposer shared, fresh sequence
@@ -92,37 +79,16 @@ class EagleDrafter:
         fork = copy.copy(self)  # shallow: module, target, shape, lm_weight, ngram shared
         fork.cache, fork.committed, fork.last_candidates = self.new_cache(), 0, None
         fork.controller = None if self.controller is None else self.controller.fork()
-        fork._round = fork._unseen = None
+        fork._round = fork._unseen = fork._plan = None
         return fork
-
-    def adopt_choices(self, choices: tuple[TreeChoice, ...]) -> None:
-        """tree=auto's trees by temperature: the first is drafted until select() picks another."""
-        self.choices = tuple(choices)
-        self.use_tree(self.choices[0].shape, self.choices[0].ngram)
 
     def stop_building(self) -> None:
         """Head steps whose graphs are missing run eagerly from now on (forks share the runner)."""
         self.runner.build = False
 
-    @property
-    def drafts_nothing(self) -> bool:
-        """Whether the current tree proposes no token at all (no head tree, no n-gram chain)."""
-        return self.ngram is None and min(self.shape.depth, self.shape.topk, self.shape.total_tokens) < 1
-
     def use_tree(self, shape: TreeShape, ngram: NgramProposer | None = None) -> None:
         """Draft `shape` from now on, with `ngram`'s chains merged in (None: no chains)."""
         self.shape, self.ngram = shape, ngram
-
-    @contextlib.contextmanager
-    def tree_as(self, shape: TreeShape | None = None, ngram: NgramProposer | None | str = "keep"):
-        """Draft `shape` (None: the current one) with `ngram` (None: no chains; "keep": the current proposer)
-        inside the block; the tree drafted before it comes back after, whatever happens inside."""
-        saved = self.shape, self.ngram
-        self.use_tree(shape or self.shape, self.ngram if ngram == "keep" else ngram)
-        try:
-            yield self
-        finally:
-            self.use_tree(*saved)
 
     def adopt_cache(self, cache: HeadKVCache, committed: int) -> None:
         """Continue from `cache`, whose first `committed` pairs are the committed sequence's (batched drafting
@@ -141,7 +107,7 @@ class EagleDrafter:
     def reset(self) -> None:
         self.cache = self.new_cache()
         self.committed = 0
-        self._round = self._unseen = None
+        self._round = self._unseen = self._plan = None
         if self.controller is not None:
             self.controller.reset()
 
@@ -156,39 +122,57 @@ class EagleDrafter:
         if self.controller is None:
             shape, chain = self.shape, None
         else:
-            shape, chain = self._controlled_shape(sequence, new_features, sampling)
+            shape, chain = self._plan or self.plan(sequence, sampling)
+            self._plan = None
         if self._unseen is not None:  # the rounds that drafted nothing left these to feed
             new_features = torch.cat([self._unseen, new_features])  # [P, F]
             self._unseen = None
             if self._round is not None and shape.depth > 0:  # this round's time holds their catching up: untimed
-                self._round = (*self._round[:2], None)
+                self._round = (*self._round[:3], None)
         if self.controller is not None and shape.depth == 0:
             self._unseen = new_features
             tree = root_only_tree(int(sequence[-1]), sequence.device)
         else:
             tree = self._draft_eagle(sequence, new_features, max_depth, sampling, shape)
         if self.controller is not None:  # what the next round's acceptance is read against
-            self._round = (tree.tokens[1:].tolist(), chain, self._round[2])
+            self._round = (tree.tokens[1:].tolist(), chain, *self._round[2:])
         return self.merge_ngram_chain(tree, sequence, max_depth, chain)
 
-    def _controlled_shape(self, sequence: torch.Tensor, new_features: torch.Tensor,
-                          sampling: DraftSampling | None) -> tuple[TreeShape, list[int]]:
-        """The controller's (chain, n-gram tokens) for this round, after telling it how the last one went: the
-        tokens it accepted are the sequence's newest ones but the root (its new features: the accepted nodes and
-        the bonus), and its time runs from its draft to this one (unless that draft also fed the head what
-        rounds without drafts left: a cost of those rounds, not of its length)."""
+    @property
+    def has_backlog(self) -> bool:
+        """Whether rounds that drafted nothing left features the head has not been fed (draft() feeds them)."""
+        return self._unseen is not None
+
+    @property
+    def round_shape(self) -> TreeShape:
+        """The shape of the round being drafted: the controller's plan when one is made, else `shape`."""
+        return self._plan[0] if self._plan is not None else self.shape
+
+    def plan(self, sequence: torch.Tensor, sampling: DraftSampling | None = None) -> tuple[TreeShape, list[int]]:
+        """The controller's (chain, n-gram tokens) for the round about to be drafted from `sequence`, after telling
+        it how the last one went: the tokens that round accepted follow the sequence it was drafted from, up to
+        the bonus token (so rounds in between that drafted nothing do not blur it), and its time runs from its draft
+        to this plan (unless that draft also fed the head what rounds without drafts left: a cost of those rounds,
+        not of its length). Kept for the draft (single or batched) that follows."""
         now = time.perf_counter()
         if self._round is not None:
-            drafted, merged, start = self._round
-            accepted = sequence[sequence.numel() - new_features.shape[0]: -1].tolist()
+            drafted, merged, length, start = self._round
+            accepted = sequence[length:-1].tolist()
             self.controller.observe(len(drafted), common_prefix(drafted, accepted),
                                     None if start is None else 1000 * (now - start), len(merged),
                                     common_prefix(merged, accepted))
+        if not self.sampled_drafts:
+            sampling = None
         proposal = self.ngram.propose(sequence) if self.ngram is not None else []
         length, keep = self.controller.choose(0.0 if sampling is None else sampling.params.temperature,
                                               len(proposal))
-        self._round = ([], [], now)
-        return TreeShape(length, 1, length), proposal[:keep]
+        self._round = ([], [], sequence.numel(), now)
+        self._plan = (TreeShape(length, 1, length), proposal[:keep])
+        return self._plan
+
+    def drop_plan(self) -> None:
+        """The planned round drafts nothing and is not drafted (its sequence scores the root alone)."""
+        self._plan = None
 
     def merge_ngram_chain(self, tree: DraftTree, sequence: torch.Tensor, max_depth: int,
                           chain: list[int] | None = None) -> DraftTree:
@@ -208,7 +192,7 @@ class EagleDrafter:
         device = sequence.device
         root = int(sequence[-1])
         if shape.depth < 1 or shape.total_tokens < 1 or shape.topk < 1:
-            return root_only_tree(root, device)  # drafting is off (tree=auto found it does not pay): skip the head
+            return root_only_tree(root, device)  # drafting is off (the controller chose no chain): skip the head
         depth = min(shape.depth, max_depth)
         if depth < 1:
             self.feed(sequence, new_features)  # near the context limit: keep the head cache in step
@@ -285,8 +269,12 @@ class EagleDrafter:
     def tree_from(self, growth: TreeGrowth, sequence: torch.Tensor, max_depth: int) -> DraftTree:
         """The tree a batched round grew for this drafter (eagle_lab/serving/batch_draft.py), kept as draft()
         keeps its own: the candidates remembered, the n-gram chain merged."""
-        tree, self.last_candidates = growth.tree(int(sequence[-1]), self.shape.total_tokens)
-        return self.merge_ngram_chain(tree, sequence, max_depth)
+        tree, self.last_candidates = growth.tree(int(sequence[-1]), self.round_shape.total_tokens)
+        chain = None
+        if self._plan is not None:  # the controller's round: remember what it drafted, merge the planned chain
+            chain, self._plan = self._plan[1], None
+            self._round = (tree.tokens[1:].tolist(), chain, *self._round[2:])
+        return self.merge_ngram_chain(tree, sequence, max_depth, chain)
 
     def feed(self, sequence: torch.Tensor, new_features: torch.Tensor) -> None:
         """Bring the head cache up to the committed sequence without drafting (arguments as draft's)."""

@@ -31,7 +31,7 @@ ROW_BUCKETS = (1, 4, 16)  # rows per compiled head step; more rows (a prompt's f
 MIN_WIDTH = 256  # the narrowest cache width a CUDA graph attends over (then doublings, then the capacity)
 WIDTH_BLOCK = 16  # a package's width: the slots in use rounded up to this
 GRAPH_TOP_K = 8  # a compiled step returns at least this many top-k drafts, sliced to what was asked: one graph
-# serves every top-k up to it (tree=auto times top-k 1..8), where a graph per k would multiply the builds
+# serves every top-k up to it (the fixed trees use top-k 1..8), where a graph per k would multiply the builds
 
 
 class HeadStepRunner:
