@@ -57,7 +57,7 @@ from collections.abc import Callable, Generator
 
 import torch
 
-from eagle_lab.decoding.sampling import SamplingParams, draw, greedy_token, target_probs
+from eagle_lab.decoding.sampling import SamplingParams, draw, greedy_token, next_token, target_probs
 from eagle_lab.decoding.tree import DraftTree
 
 NodeLogits = Callable[[int], torch.Tensor]  # node index -> [V] target logits at that node
@@ -73,8 +73,12 @@ def verify(
     """Walk the tree from the root; returns (accepted node indices [L + 1], bonus token id).
 
     node_logits is asked only for nodes on the accepted path (the scorer has computed every scored
-    row's logits beforehand, in one LM-head matmul).
+    row's logits beforehand, in one LM-head matmul). A tree of the root alone (a round that drafted nothing) is a
+    plain step: its token is next_token's, the very draw the walk below would make, without the walk.
     """
+    if tree.size == 1:
+        return torch.zeros(1, dtype=torch.long, device=tree.tokens.device), next_token(node_logits(0), params,
+                                                                                       generator)
     return run_steps(verify_steps(tree, params, generator), node_logits)
 
 

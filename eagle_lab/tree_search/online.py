@@ -63,6 +63,13 @@ class ChainMemory:
     sampled_ms: dict[int, float] = field(default_factory=dict)  # chain length -> ms per round sampling (T > 0)
     accepted: dict[float, list[float]] = field(default_factory=dict)  # temperature -> aging counts by depth
     reached: dict[float, list[float]] = field(default_factory=dict)
+    _forward_at: dict[int, float] = field(default_factory=dict, repr=False)  # forward_ms interpolated, by K
+
+    def forward(self, k: int) -> float:
+        """ms of the target's forward over k scored tokens (interpolated on the forward curve once per k)."""
+        if k not in self._forward_at:
+            self._forward_at[k] = forward_ms(self.forward_ms, k)
+        return self._forward_at[k]
 
     def remember(self, temperature: float, depth: int, hit: bool) -> None:
         """A round at `temperature` reached `depth` (0-based) and accepted it or not."""
@@ -134,9 +141,15 @@ class ChainController:
     def expected_tokens(self, chain: int = 0) -> list[float]:
         """Tokens a round of each length emits on average (the bonus token included), with the first `chain`
         tokens of an n-gram chain merged in."""
-        head = _survival(self.acceptance())  # [max_depth] P(the head's first d + 1 drafts accepted)
+        return self._expected_tokens(_survival(self.acceptance()), self._chain_survival(chain), chain)
+
+    def _chain_survival(self, chain: int) -> list[float]:
+        """[chain] P(the n-gram chain's first i + 1 tokens accepted)."""
         by_position = self.chain_acceptance()
-        copied = _survival([by_position[min(i, NGRAM_POSITIONS - 1)] for i in range(chain)])  # [chain]
+        return _survival([by_position[min(i, NGRAM_POSITIONS - 1)] for i in range(chain)])
+
+    def _expected_tokens(self, head: list[float], copied: list[float], chain: int) -> list[float]:
+        """expected_tokens from the head's survival [max_depth] and the chain's [>= chain]."""
         out = []
         for length in range(self.max_depth + 1):
             # P(a round's k-th token is accepted) = 1 - P(neither the head's nor the chain's prefix reaches it)
@@ -150,8 +163,7 @@ class ChainController:
         rounds = self.memory.sampled_ms if self.temperature and self.memory.sampled_ms else self.memory.ms
         if chain == 0:
             return rounds[length]
-        forward = self.memory.forward_ms
-        return rounds[length] + forward_ms(forward, 1 + length + chain) - forward_ms(forward, 1 + length)
+        return rounds[length] + self.memory.forward(1 + length + chain) - self.memory.forward(1 + length)
 
     def rates(self, chain: int = 0) -> dict[int, float]:
         """Expected tokens per ms of every length (with the first `chain` n-gram tokens merged)."""
@@ -165,9 +177,16 @@ class ChainController:
             self.temperature = temperature
             self.prior = [min(max(a, 0.01), 0.99)
                           for a in self.memory.prior(temperature, self.max_depth, self.default)]
-        chains = range(proposed + 1) if self.memory.forward_ms else range(1)
-        rates = {(length, chain): rate for chain in chains for length, rate in self.rates(chain).items()}
-        return max(rates, key=lambda choice: (rates[choice], -choice[0], -choice[1]))
+        chains = proposed if self.memory.forward_ms else 0
+        head, copied = _survival(self.acceptance()), self._chain_survival(chains)  # computed once a round
+        tokens = [self._expected_tokens(head, copied, chain) for chain in range(chains + 1)]  # [chain][length]
+        best, best_rate = (0, 0), -1.0
+        for length in range(self.max_depth + 1):  # ties: the shorter chain, then the fewer n-gram tokens
+            for chain in range(chains + 1):
+                rate = tokens[chain][length] / self.round_ms(length, chain)
+                if rate > best_rate:
+                    best, best_rate = (length, chain), rate
+        return best
 
     def observe(self, length: int, accepted: int, ms: float | None = None, chain: int = 0,
                 chain_accepted: int = 0) -> None:

@@ -54,7 +54,7 @@ class EagleDrafter:
         # the controller's round in flight, read when the next is planned: (the head's drafted chain, the n-gram
         # tokens merged, the sequence's length when it was drafted, its start; None: not to be timed)
         self._round: tuple[list[int], list[int], int, float | None] | None = None
-        self._unseen: torch.Tensor | None = None  # [P, F] features of rounds that drafted nothing, fed next time
+        self._unseen: list[torch.Tensor] = []  # [P_i, F] each: features of rounds that drafted nothing, fed next time
         self.ngram = ngram  # hybrid drafting: an n-gram chain merged into every tree (None: off)
         self.rotary = target.rotary
         rows = draft_lm_head_weight(head, target)  # [Vd, H]
@@ -79,7 +79,8 @@ class EagleDrafter:
         fork = copy.copy(self)  # shallow: module, target, shape, lm_weight, ngram shared
         fork.cache, fork.committed, fork.last_candidates = self.new_cache(), 0, None
         fork.controller = None if self.controller is None else self.controller.fork()
-        fork._round = fork._unseen = fork._plan = None
+        fork._round = fork._plan = None
+        fork._unseen = []
         return fork
 
     def stop_building(self) -> None:
@@ -107,7 +108,8 @@ class EagleDrafter:
     def reset(self) -> None:
         self.cache = self.new_cache()
         self.committed = 0
-        self._round = self._unseen = self._plan = None
+        self._round = self._plan = None
+        self._unseen = []
         if self.controller is not None:
             self.controller.reset()
 
@@ -124,15 +126,15 @@ class EagleDrafter:
         else:
             shape, chain = self._plan or self.plan(sequence, sampling)
             self._plan = None
-        if self._unseen is not None:  # the rounds that drafted nothing left these to feed
-            new_features = torch.cat([self._unseen, new_features])  # [P, F]
-            self._unseen = None
-            if self._round is not None and shape.depth > 0:  # this round's time holds their catching up: untimed
-                self._round = (*self._round[:3], None)
         if self.controller is not None and shape.depth == 0:
-            self._unseen = new_features
+            self._unseen.append(new_features)  # kept in pieces: one copy when a round drafts again
             tree = root_only_tree(int(sequence[-1]), sequence.device)
         else:
+            if self._unseen:  # the rounds that drafted nothing left these to feed
+                new_features = torch.cat([*self._unseen, new_features])  # [P, F]
+                self._unseen = []
+                if self._round is not None:  # this round's time holds their catching up: untimed
+                    self._round = (*self._round[:3], None)
             tree = self._draft_eagle(sequence, new_features, max_depth, sampling, shape)
         if self.controller is not None:  # what the next round's acceptance is read against
             self._round = (tree.tokens[1:].tolist(), chain, *self._round[2:])
@@ -141,7 +143,7 @@ class EagleDrafter:
     @property
     def has_backlog(self) -> bool:
         """Whether rounds that drafted nothing left features the head has not been fed (draft() feeds them)."""
-        return self._unseen is not None
+        return bool(self._unseen)
 
     @property
     def round_shape(self) -> TreeShape:
