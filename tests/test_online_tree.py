@@ -108,6 +108,19 @@ def test_a_new_request_starts_from_what_earlier_ones_at_its_temperature_accepted
     assert controller.acceptance() == [0.6, 0.6]
 
 
+def test_a_new_request_starts_its_ngram_chains_from_what_earlier_ones_at_its_temperature_accepted():
+    controller = ChainController(max_depth=1, memory=with_forward(costs(10, 12), *range(10, 30)), prior=[0.5])
+    assert controller.choose(1.0, proposed=4)[1] > 0  # at the default prior a chain pays for some of its tokens
+    for _ in range(40):  # at T=1 the chains' first token is never right
+        controller.observe(0, 0, chain=4, chain_accepted=0)
+    controller.reset()
+    assert controller.choose(1.0, proposed=4)[1] == 0  # the next request at T=1 merges none from its first round
+    assert controller.chain_acceptance()[0] < 0.1
+    controller.reset()
+    controller.choose(0.0, proposed=4)  # nothing learnt at T=0 yet: the default prior
+    assert controller.chain_acceptance()[0] == online.NGRAM_PRIOR
+
+
 def test_a_head_cards_accuracy_by_position_becomes_acceptance_by_depth():
     assert card_prior([0.6, 0.48, 0.45]) == pytest.approx([0.6, 0.8, 0.9375])
     assert card_prior([0.5, 0.5]) == pytest.approx([0.5, 0.95])  # capped: a depth is never certain

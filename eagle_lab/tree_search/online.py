@@ -17,10 +17,10 @@ drafted or not, so after a stretch without drafts the acceptance returns towards
 tried again where it would pay again.
 
 With hybrid drafting the n-gram chain a round proposes is priced the same way: its acceptance by position
-(this request's, from NGRAM_PRIOR), its cost the target's forward over the extra tokens (a forward curve timed
-with the cost curve). The round takes the chain length L and the chain's first m tokens with the most expected
-tokens per ms, a round's tokens being one plus the longer of the head's and the chain's accepted prefixes
-(the two taken as independent).
+(this request's, starting from what earlier requests at its temperature saw, else NGRAM_PRIOR), its cost the
+target's forward over the extra tokens (a forward curve timed with the cost curve). The round takes the chain
+length L and the chain's first m tokens with the most expected tokens per ms, a round's tokens being one plus the
+longer of the head's and the chain's accepted prefixes (the two taken as independent).
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ class ChainMemory:
     sampled_ms: dict[int, float] = field(default_factory=dict)  # chain length -> ms per round sampling (T > 0)
     accepted: dict[float, list[float]] = field(default_factory=dict)  # temperature -> aging counts by depth
     reached: dict[float, list[float]] = field(default_factory=dict)
+    chain_accepted: dict[float, list[float]] = field(default_factory=dict)  # the same by n-gram chain position
+    chain_reached: dict[float, list[float]] = field(default_factory=dict)
     _forward_at: dict[int, float] = field(default_factory=dict, repr=False)  # forward_ms interpolated, by K
 
     def forward(self, k: int) -> float:
@@ -71,18 +73,25 @@ class ChainMemory:
             self._forward_at[k] = forward_ms(self.forward_ms, k)
         return self._forward_at[k]
 
-    def remember(self, temperature: float, depth: int, hit: bool) -> None:
-        """A round at `temperature` reached `depth` (0-based) and accepted it or not."""
-        accepted, reached = self.accepted.setdefault(temperature, []), self.reached.setdefault(temperature, [])
+    def _counts(self, chain: bool) -> tuple[dict[float, list[float]], dict[float, list[float]]]:
+        return (self.chain_accepted, self.chain_reached) if chain else (self.accepted, self.reached)
+
+    def remember(self, temperature: float, depth: int, hit: bool, chain: bool = False) -> None:
+        """A round at `temperature` reached `depth` (0-based) of the head's chain (chain: of the n-gram chain) and
+        accepted it or not."""
+        accepted, reached = self._counts(chain)
+        accepted, reached = accepted.setdefault(temperature, []), reached.setdefault(temperature, [])
         while len(reached) <= depth:
             accepted.append(0.0)
             reached.append(0.0)
         accepted[depth] = accepted[depth] * LONG_RUN_DECAY + float(hit)
         reached[depth] = reached[depth] * LONG_RUN_DECAY + 1.0
 
-    def prior(self, temperature: float, depths: int, default: list[float]) -> list[float]:
-        """The acceptance by depth earlier requests at `temperature` saw, where they saw enough (else default)."""
-        accepted, reached = self.accepted.get(temperature, []), self.reached.get(temperature, [])
+    def prior(self, temperature: float, depths: int, default: list[float], chain: bool = False) -> list[float]:
+        """The acceptance by depth (chain: by n-gram chain position) earlier requests at `temperature` saw, where
+        they saw enough (else default)."""
+        accepted, reached = self._counts(chain)
+        accepted, reached = accepted.get(temperature, []), reached.get(temperature, [])
         return [accepted[d] / reached[d] if d < len(reached) and reached[d] >= LONG_RUN_MIN else default[d]
                 for d in range(depths)]
 
@@ -127,6 +136,7 @@ class ChainController:
         self.chain_reached = [0.0] * NGRAM_POSITIONS
         self.temperature: float | None = None  # set by the request's first choose()
         self.prior = self.default
+        self.chain_prior = [NGRAM_PRIOR] * NGRAM_POSITIONS
 
     def acceptance(self) -> list[float]:
         """P(depth d accepted | depth d - 1 accepted), d = 1 .. max_depth."""
@@ -135,7 +145,7 @@ class ChainController:
 
     def chain_acceptance(self) -> list[float]:
         """P(n-gram position i accepted | position i - 1 accepted), i = 1 .. NGRAM_POSITIONS."""
-        return [(self.chain_accepted[i] + PRIOR_WEIGHT * NGRAM_PRIOR) / (self.chain_reached[i] + PRIOR_WEIGHT)
+        return [(self.chain_accepted[i] + PRIOR_WEIGHT * self.chain_prior[i]) / (self.chain_reached[i] + PRIOR_WEIGHT)
                 for i in range(NGRAM_POSITIONS)]
 
     def expected_tokens(self, chain: int = 0) -> list[float]:
@@ -177,6 +187,8 @@ class ChainController:
             self.temperature = temperature
             self.prior = [min(max(a, 0.01), 0.99)
                           for a in self.memory.prior(temperature, self.max_depth, self.default)]
+            self.chain_prior = [min(max(a, 0.01), 0.99) for a in self.memory.prior(
+                temperature, NGRAM_POSITIONS, [NGRAM_PRIOR] * NGRAM_POSITIONS, chain=True)]
         chains = proposed if self.memory.forward_ms else 0
         head, copied = _survival(self.acceptance()), self._chain_survival(chains)  # computed once a round
         tokens = [self._expected_tokens(head, copied, chain) for chain in range(chains + 1)]  # [chain][length]
@@ -203,6 +215,7 @@ class ChainController:
         for position in range(min(chain_accepted + 1, chain, NGRAM_POSITIONS)):
             self.chain_reached[position] += 1.0
             self.chain_accepted[position] += 1.0 if position < chain_accepted else 0.0
+            self.memory.remember(self.temperature or 0.0, position, position < chain_accepted, chain=True)
 
 
 def _survival(acceptance: list[float]) -> list[float]:
