@@ -22,8 +22,7 @@ from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.serving.batch_draft import BatchDrafter, HeadBatch
 from eagle_lab.serving.batching import BatchScheduler
-from eagle_lab.serving.drafters import drafter_factory
-from eagle_lab.serving.engine import Engine
+from eagle_lab.serving.engine import Engine, drafter_factory
 from eagle_lab.serving.sequence import Sequence, score_rows
 from tests.conftest import small_vocab_target
 from tests.scheduler_helpers import Client, expected_alone, plan, run_plans, static_rows

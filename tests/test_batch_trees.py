@@ -18,8 +18,7 @@ from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.serving import batch_trees
 from eagle_lab.serving.batch_trees import PLAIN, BatchTrees, choose_batch_trees
 from eagle_lab.serving.batching import BatchScheduler
-from eagle_lab.serving.drafters import drafter_factory
-from eagle_lab.serving.engine import Engine
+from eagle_lab.serving.engine import Engine, drafter_factory
 from eagle_lab.serving.sequence import Sequence, score_rows
 from eagle_lab.serving.timed_batch import timed_batch_decoding
 from tests.scheduler_helpers import expected_alone, plan, run_plans, static_rows

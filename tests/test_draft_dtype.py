@@ -24,8 +24,7 @@ from eagle_lab.models.stable_linear import StableLinear
 from eagle_lab.models.target import Target
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model
 from eagle_lab.serving.batching import BatchScheduler
-from eagle_lab.serving.drafters import drafter_factory
-from eagle_lab.serving.engine import Engine
+from eagle_lab.serving.engine import Engine, drafter_factory
 from eagle_lab.tree_search.costs import timing_fingerprint
 from tests.scheduler_helpers import plan, run_plans, static_rows
 from tests.serving_helpers import TINY, serve_config

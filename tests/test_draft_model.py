@@ -16,7 +16,7 @@ from eagle_lab.drafters.growth import TreeShape, untuned_shape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import Target, TargetConfig
 from eagle_lab.models.tiny import TinyModelConfig, build_tiny_model, byte_tokenizer
-from eagle_lab.serving.drafters import drafter_factory
+from eagle_lab.serving.engine import drafter_factory
 from tests.conftest import FAMILIES, small_vocab_target
 from tests.test_greedy_lossless import prompts, run_both
 from tests.test_sampling_lossless import ALPHA, chi_square_pvalue, exact_sequence_probs, sampled_sequences

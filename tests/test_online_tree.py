@@ -291,8 +291,7 @@ def test_a_server_of_controlled_drafters_gives_each_request_its_output_alone(tin
     """The scheduler's batched rounds over requests whose drafters each have a controller (forks of one prototype,
     sharing its cost curve): every request's greedy tokens are the ones it gets decoded alone."""
     from eagle_lab.serving.batching import BatchScheduler
-    from eagle_lab.serving.drafters import drafter_factory
-    from eagle_lab.serving.engine import Engine
+    from eagle_lab.serving.engine import Engine, drafter_factory
     from tests.scheduler_helpers import expected_alone, plan, run_plans, static_rows
     from tests.serving_helpers import TINY, serve_config
 

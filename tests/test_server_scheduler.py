@@ -17,7 +17,7 @@ from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.prompts import as_tensor, encode_prompt
-from eagle_lab.serving.drafters import drafter_factory
+from eagle_lab.serving.engine import drafter_factory
 from eagle_lab.serving.scheduler import Failed, Job, QueueFull, Scheduler
 
 # ---------------------------------------------------------------- scheduler, fake streams

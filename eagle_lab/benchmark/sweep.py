@@ -36,8 +36,7 @@ from eagle_lab.errors import EagleLabError
 from eagle_lab.models.prompts import encode_prompt
 from eagle_lab.models.target import Target, load_target
 from eagle_lab.serving.batching import BatchScheduler
-from eagle_lab.serving.drafters import drafter_factory
-from eagle_lab.serving.engine import Engine, Finished, Plan
+from eagle_lab.serving.engine import Engine, Finished, Plan, drafter_factory
 from eagle_lab.serving.scheduler import Job
 from eagle_lab.serving.server import batch_trees, serving_rows
 

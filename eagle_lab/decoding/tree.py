@@ -148,6 +148,11 @@ def best_nodes(scores: list[float], parents: list[int], count: int) -> tuple[lis
 class Drafter(Protocol):
     def reset(self) -> None: ...
 
+    def fork(self) -> Drafter:
+        """A drafter for another sequence: what is read-only (weights, tree, costs) shared, the per-sequence state
+        (caches, the last candidates) fresh. Two sequences whose rounds interleave need a drafter each."""
+        ...
+
     def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
               sampling=None) -> DraftTree:
         """sequence: [T] committed tokens, the last one the root; new_features: [P, F]

@@ -127,6 +127,9 @@ class NgramDrafter:
     def __init__(self, proposer: NgramProposer):
         self.proposer = proposer
 
+    def fork(self) -> NgramDrafter:
+        return NgramDrafter(self.proposer)  # stateless today; a fresh one stays safe if that changes
+
     def reset(self) -> None:
         pass
 

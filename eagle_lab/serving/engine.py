@@ -88,6 +88,11 @@ class _Collector:
         return text
 
 
+def drafter_factory(prototype: Drafter | None) -> Callable[[], Drafter | None]:
+    """What each new sequence calls for its drafter: a fork of the prototype (None: method=vanilla)."""
+    return (lambda: None) if prototype is None else prototype.fork
+
+
 class Engine:
     def __init__(self, cfg: ServeConfig, target: Target, new_drafter: Callable[[], Drafter | None],
                  rows: StaticRows):

@@ -12,6 +12,8 @@ whatever the draft model proposes.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from eagle_lab.decoding.cache import cache_length, truncate
@@ -51,6 +53,12 @@ class DraftModelDrafter:
         self.cache = model.new_cache()
         self.committed = 0  # tokens of the committed sequence in the draft model's cache
         self.last_candidates: Candidates | None = None
+
+    def fork(self) -> DraftModelDrafter:
+        """A drafter for another sequence: the draft model's weights shared, a cache of its own."""
+        fork = copy.copy(self)
+        fork.cache, fork.committed, fork.last_candidates = self.model.new_cache(), 0, None
+        return fork
 
     def use_tree(self, shape: TreeShape, ngram=None) -> None:
         """Draft `shape` from now on (a draft model merges no n-gram chains)."""

@@ -9,6 +9,8 @@ other drafter, not Medusa's typical acceptance, so the output is the target's.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from eagle_lab.decoding.sampling import DraftSampling
@@ -31,6 +33,12 @@ class MedusaDrafter:
         self.use_tree(shape)
         self.rows = draft_lm_head_weight(heads, target)  # [Vd, H] the target's LM-head rows
         self.last_candidates: Candidates | None = None
+
+    def fork(self) -> MedusaDrafter:
+        """A drafter for another sequence (no state between rounds but its last candidates)."""
+        fork = copy.copy(self)
+        fork.last_candidates = None
+        return fork
 
     def use_tree(self, shape: TreeShape, ngram=None) -> None:
         """Draft `shape` from now on, no deeper than there are heads (Medusa merges no n-gram chains)."""
