@@ -74,10 +74,10 @@ def run_rounds(target, sequences, joining, drafting, depth_cap=None, rounds=40):
             break
         expected, counts = {}, []
         for index, sequence in enumerate(live):
-            max_depth = sequence.prepare_draft(None)
+            max_depth = sequence.prepare_draft()
             if depth_cap is not None and max_depth is not None:
                 max_depth = min(max_depth, depth_cap(number, index))
-                sequence.prepare_draft = lambda shape, cap=max_depth: cap  # noqa: B023 - this round's cap
+                sequence.prepare_draft = lambda plain, cap=max_depth: cap  # noqa: B023 - this round's cap
             if id(sequence) in twins and max_depth is not None:
                 twin = twins[id(sequence)]
                 twin.use_tree(sequence.drafter.shape, twin.ngram)
@@ -234,7 +234,7 @@ def test_batched_hybrid_trees_stay_inside_the_largest_static_bucket():
     for _ in range(5):
         live = [s for s in sequences if not s.done]
         for sequence in live:
-            sequence.prepare_draft(None)
+            sequence.prepare_draft()
         assert drafting.draft(live) == [None] * len(live)
         sizes += [s.tree.size for s in live]
         chains += sum(s.tree.from_ngram is not None for s in live)

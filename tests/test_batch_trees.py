@@ -12,11 +12,11 @@ from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.kinds import new_head
-from eagle_lab.drafters.growth import BatchTree, TreeShape
+from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.drafters.ngram import NgramProposer
 from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.serving import batch_trees
-from eagle_lab.serving.batch_trees import PLAIN, BatchTrees, choose_batch_trees
+from eagle_lab.serving.batch_trees import BatchTrees, choose_batch_trees
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.engine import Engine, drafter_factory
 from eagle_lab.serving.sequence import Sequence, score_rows
@@ -28,10 +28,10 @@ from tests.serving_helpers import TINY, RunningServer, serve_config
 def test_a_row_takes_the_choice_of_its_nearest_timed_temperature():
     trees = BatchTrees({0.0: frozenset({4}), 1.0: frozenset({2, 3, 4})})
     greedy, warm, hot = SamplingParams(), SamplingParams(0.4), SamplingParams(0.8)
-    assert trees.tree(1, hot) is None  # alone: always the own tree
-    assert trees.tree(2, greedy) is None and trees.tree(4, greedy) is PLAIN
-    assert trees.tree(2, warm) is None and trees.tree(2, hot) is PLAIN  # a sampled row: the sampled choice
-    assert BatchTrees.own().tree(8, hot) is None
+    assert not trees.plain(1, hot)  # alone: always the own tree
+    assert not trees.plain(2, greedy) and trees.plain(4, greedy)
+    assert not trees.plain(2, warm) and trees.plain(2, hot)  # a sampled row: the sampled choice
+    assert not BatchTrees.own().plain(8, hot)
 
 
 def test_plain_rounds_keep_the_head_cache_in_step(tiny_llama):
@@ -44,12 +44,12 @@ def test_plain_rounds_keep_the_head_cache_in_step(tiny_llama):
     drafter, rows = prototype.fork(), static_rows(tiny_llama, rows=1)
     sequence = Sequence(tiny_llama, drafter, prompt, SamplingParams(), Stopper(tiny_llama.tokenizer, 30, set()), None,
                         rows)
-    tokens, plan_of_rounds = sequence.prefill(), [PLAIN] * 3 + [None, BatchTree(TreeShape(1, 2, 2))] * 20
-    for shape in plan_of_rounds:
+    tokens, plan_of_rounds = sequence.prefill(), [True] * 3 + [False, True, True] * 20
+    for plain in plan_of_rounds:
         if sequence.done:
             break
-        tree = sequence.draft(shape)
-        if shape is None or shape.shape.depth:
+        tree = sequence.draft(plain)
+        if not plain:
             assert drafter.committed == sequence.past and tree.size > 1  # caught up on the skipped pairs
         else:
             assert tree.size == 1
@@ -80,15 +80,16 @@ def test_timed_batch_decoding_runs_the_batched_round(tiny_llama):
     prototype = EagleDrafter(new_head(tiny_llama, seed=0), tiny_llama, TreeShape(3, 2, 6))
     prompts = [list(range(40, 52)), list(range(60, 70)), list(range(80, 95))]
     rows = static_rows(tiny_llama, rows=3)
-    plain = timed_batch_decoding(tiny_llama, prototype, prompts, PLAIN, 8, rows)
+    plain = timed_batch_decoding(tiny_llama, prototype, prompts, True, 8, rows)
     assert plain["rounds"] == 7 and plain["tokens"] == 3 * 7 and plain["seconds"] > 0  # one token per row a round
-    tree = timed_batch_decoding(tiny_llama, prototype, prompts, BatchTree(TreeShape(2, 2, 4)), 8, rows)
+    smaller = EagleDrafter(prototype.head, tiny_llama, TreeShape(2, 2, 4))
+    tree = timed_batch_decoding(tiny_llama, smaller, prompts, False, 8, rows)
     assert 1 <= tree["rounds"] <= 7 and tree["tokens"] >= 3 * tree["rounds"]
     # token for token: every row of the timed tree rounds continues the plain rows' greedy output
     for with_tree, without in zip(tree["outputs"], plain["outputs"]):
         common = min(len(with_tree), len(without))
         assert common >= 1 + tree["rounds"] and with_tree[:common] == without[:common]
-    sampled = [timed_batch_decoding(tiny_llama, prototype, prompts, None, 8, rows, SamplingParams(1.0), seed=5)
+    sampled = [timed_batch_decoding(tiny_llama, prototype, prompts, False, 8, rows, SamplingParams(1.0), seed=5)
                for _ in range(2)]
     assert sampled[0]["outputs"] == sampled[1]["outputs"]  # seeded: the same draws
     assert all(row is None for row in rows.rows)  # every sequence gave its row back
@@ -99,10 +100,10 @@ def test_choices_are_timed_per_temperature_cached_and_retimed_when_a_tree_change
     monkeypatch.setenv("EAGLE_LAB_CACHE", str(tmp_path))
     timed = []
 
-    def fake_timing(target, drafter, prompts, tree, new_tokens, rows, params=SamplingParams(), seed=0):
-        timed.append((len(prompts), tree, params.temperature))
+    def fake_timing(target, drafter, prompts, plain, new_tokens, rows, params=SamplingParams(), seed=0):
+        timed.append((len(prompts), plain, params.temperature))
         # greedy: the tree wins at batch 2 and loses at batch 4; sampled (T=0.7): it loses at every size
-        fast = (tree is PLAIN) == (len(prompts) == 4 or params.temperature > 0)
+        fast = plain == (len(prompts) == 4 or params.temperature > 0)
         return {"tokens": len(prompts) * new_tokens, "seconds": 1.0 if fast else 2.0, "rounds": new_tokens}
 
     monkeypatch.setattr(batch_trees, "timed_batch_decoding", fake_timing)
@@ -111,8 +112,8 @@ def test_choices_are_timed_per_temperature_cached_and_retimed_when_a_tree_change
     prompts = [[1, 2, 3]]
     first = choose_batch_trees(tiny_llama, drafter, rows, 4, prompts, 8, temperatures=(0.7, 0.0))
     assert {t for _, _, t in timed} == {0.0, 0.7} and {b for b, _, _ in timed} == {2, 4}
-    assert first.tree(2, SamplingParams()) is None and first.tree(3, SamplingParams()) is PLAIN
-    assert first.tree(4, SamplingParams()) is PLAIN and first.tree(2, SamplingParams(0.7)) is PLAIN
+    assert not first.plain(2, SamplingParams()) and first.plain(3, SamplingParams())
+    assert first.plain(4, SamplingParams()) and first.plain(2, SamplingParams(0.7))
 
     timed.clear()
     again = choose_batch_trees(tiny_llama, drafter, rows, 4, prompts, 8, temperatures=(0.7, 0.0))

@@ -127,9 +127,8 @@ def tree_shape(per_batch: dict, batch: int, params: SamplingParams) -> dict | No
     prototype = per_batch["prototype"]
     if not isinstance(prototype, EagleDrafter):
         return None
-    tree = per_batch["trees"].tree(batch, params)
-    if tree is not None:
-        return {**asdict(tree.shape), "ngram_tokens": tree.ngram_tokens or 0}
+    if per_batch["trees"].plain(batch, params):
+        return {"depth": 0, "topk": 0, "total_tokens": 0, "ngram_tokens": 0}
     shape, ngram = prototype.shape, prototype.ngram  # under tree=online: the longest chain the controller drafts
     return {**asdict(shape), "ngram_tokens": ngram.max_tokens if ngram is not None else 0}
 

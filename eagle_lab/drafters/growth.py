@@ -60,15 +60,6 @@ class ChainControl(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class BatchTree:
-    """A round's tree for a row of a batch (eagle_lab/serving/batch_trees.py): the head's shape and, with hybrid
-    drafting, the n-gram chain length merged into it (0: none; None: the drafter's own)."""
-
-    shape: TreeShape
-    ngram_tokens: int | None = None
-
-
 @dataclass
 class Candidates:
     """Every node the last draft considered, before the final top-`total_tokens` cut.

@@ -224,17 +224,17 @@ class BatchDrafter:
             batch.release()
 
     @torch.no_grad()
-    def draft(self, sequences: list[Sequence], shapes: list | None = None) -> list[Exception | None]:
-        """Set every sequence's tree for this round (shapes: one per sequence, Sequence.draft's; None: each
-        its own); -> per sequence None, or the exception that failed it (a failed batched draft fails every
-        row in it)."""
-        shapes = shapes if shapes is not None else [None] * len(sequences)
+    def draft(self, sequences: list[Sequence], plain: list[bool] | None = None) -> list[Exception | None]:
+        """Set every sequence's tree for this round (plain: per sequence, whether it decodes plainly this round;
+        None: each drafts its own); -> per sequence None, or the exception that failed it (a failed batched draft
+        fails every row in it)."""
+        plain = plain if plain is not None else [False] * len(sequences)
         errors: list[Exception | None] = [None] * len(sequences)
         alone: list[tuple[int, int]] = []  # (index, max_depth) of rows drafting on their own
         groups: dict[int, list[tuple[int, int]]] = {}  # id(head) -> rows sharing it
-        for index, (sequence, shape) in enumerate(zip(sequences, shapes)):
+        for index, (sequence, plain_row) in enumerate(zip(sequences, plain)):
             try:
-                max_depth = sequence.prepare_draft(shape)
+                max_depth = sequence.prepare_draft(plain_row)
                 if max_depth is not None:
                     batched = runs_head(sequence) and not sequence.samples_drafts
                     group = groups.setdefault(id(sequence.drafter.head), []) if batched else alone

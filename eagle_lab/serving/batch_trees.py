@@ -24,7 +24,6 @@ from eagle_lab.decoding.graph_store import code_digest
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import BatchTree, TreeShape
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.target import Target
 from eagle_lab.serving.timed_batch import timed_batch_decoding
@@ -32,7 +31,6 @@ from eagle_lab.tree_search.costs import timing_fingerprint
 
 log = logging.getLogger(__name__)
 PROBE_BATCHES = (2, 4, 8)
-PLAIN = BatchTree(TreeShape(0, 0, 0), 0)
 # The batched round's code: a digest of these files is in the key of the cached choices, so a change
 # that may move the round's cost has them timed again instead of reused.
 ROUND_SOURCES = ("serving/batching.py", "serving/sequence.py", "serving/batch_draft.py", "serving/timed_batch.py",
@@ -52,13 +50,14 @@ class BatchTrees:
     def own(cls) -> BatchTrees:
         return cls()
 
-    def tree(self, batch: int, params: SamplingParams) -> BatchTree | None:
-        """The tree a row with these sampling parameters drafts in a round of `batch` rows (None: its own)."""
+    def plain(self, batch: int, params: SamplingParams) -> bool:
+        """Whether a row with these sampling parameters decodes plainly in a round of `batch` rows (else it drafts
+        its own tree)."""
         if batch < 2 or not self.plain_at:
-            return None
+            return False
         temperature = 0.0 if params.greedy else params.temperature
         nearest = min(self.plain_at, key=lambda t: abs(t - temperature))
-        return PLAIN if batch in self.plain_at[nearest] else None
+        return batch in self.plain_at[nearest]
 
 
 def choose_batch_trees(target: Target, drafter: EagleDrafter, rows: StaticRows, max_batch: int,
@@ -92,11 +91,11 @@ def _timed_choices(target: Target, drafter: EagleDrafter, rows: StaticRows, size
     for batch in sizes:
         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
         speed, tau = {}, {}
-        for name, tree in (("tree", None), ("plain", PLAIN)):
+        for name, plain in (("tree", False), ("plain", True)):
             # the same run twice, timing the second: the first meets every shape the second will (the same
             # prompts, seeds and trees), so a graph built or loaded on first use is never inside the timing
-            timed_batch_decoding(target, drafter, batch_prompts, tree, new_tokens, rows, params)
-            timing = timed_batch_decoding(target, drafter, batch_prompts, tree, new_tokens, rows, params)
+            timed_batch_decoding(target, drafter, batch_prompts, plain, new_tokens, rows, params)
+            timing = timed_batch_decoding(target, drafter, batch_prompts, plain, new_tokens, rows, params)
             speed[name] = timing["tokens"] / max(timing["seconds"], 1e-9)
             tau[name] = timing["tokens"] / max(timing["rounds"] * batch, 1)
         choices[batch] = "tree" if speed["tree"] >= min_gain * speed["plain"] else "plain"

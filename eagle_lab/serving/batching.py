@@ -55,16 +55,16 @@ class BatchScheduler(Scheduler):
                 self._step(job, lambda job=job: self._prefill(job))
             else:
                 ready.append(job)
-        shapes = [self.trees.tree(len(ready), job.stream.sequence.params) for job in ready]
+        plain = [self.trees.plain(len(ready), job.stream.sequence.params) for job in ready]
         if self.drafting is not None:  # rows sharing a head draft together; a lone row drafts on its own cache
-            errors = self.drafting.draft([job.stream.sequence for job in ready], shapes)
+            errors = self.drafting.draft([job.stream.sequence for job in ready], plain)
             for job, exc in zip(ready, errors):
                 if exc is not None:
                     self._fail(job, exc)
             drafted = [job for job, exc in zip(ready, errors) if exc is None]
         else:
-            drafted = [job for job, shape in zip(ready, shapes)
-                       if self._step(job, lambda job=job, shape=shape: job.stream.sequence.draft(shape))]
+            drafted = [job for job, plain_row in zip(ready, plain)
+                       if self._step(job, lambda job=job, plain_row=plain_row: job.stream.sequence.draft(plain_row))]
         if not drafted:
             return
         try:

@@ -6,7 +6,7 @@ static cache (eagle_lab.decoding.static_rows.StaticRows, compiled or eager), and
 sequences is one forward of B rows, B = 1 included:
 
   prefill()      the prompt alone, into the sequence's row: the first token
-  draft(shape)   this round's tree: the drafter's, or the root alone (method=vanilla, or
+  draft(plain)   this round's tree: the drafter's, or the root alone (method=vanilla, or
                  plain decoding chosen for this batch size); split in prepare_draft() and
                  set_tree() so that eagle_lab.serving.batch_draft can draft many sequences at once
   -- score_rows(): one static forward over every sequence's tree, every node's logits from one
@@ -23,7 +23,6 @@ against batch 1).
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 
@@ -32,7 +31,6 @@ from eagle_lab.decoding.sampling import DraftSampling, SamplingParams, next_toke
 from eagle_lab.decoding.static_rows import RowScore, StaticRows
 from eagle_lab.decoding.tree import Drafter, DraftTree, root_only_tree
 from eagle_lab.decoding.verify import verify
-from eagle_lab.drafters.growth import BatchTree, TreeShape
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import Target
 
@@ -48,8 +46,6 @@ class Sequence:
         self.target, self.drafter, self.prompt_ids = target, drafter, prompt_ids  # prompt_ids: (T,)
         self.params, self.stopper, self.generator, self.plain = params, stopper, generator, plain
         self.layer_ids = tuple(getattr(drafter, "feature_layers", ()))  # EAGLE-3 heads read several layers
-        self.own_shape: TreeShape | None = getattr(drafter, "shape", None)  # the drafter's tree at batch 1
-        self.own_ngram = getattr(drafter, "ngram", None)  # and its n-gram proposer (hybrid drafting)
         self.rows = rows
         self.row = rows.attach()
         self.stats = GenerationStats()
@@ -86,11 +82,11 @@ class Sequence:
         return self._emit([root])
 
     @torch.no_grad()
-    def draft(self, shape: TreeShape | BatchTree | None = None) -> DraftTree:
-        """shape: the tree for the current batch size (None: the drafter's own, as at batch 1).
-        A shape of depth 0 is plain decoding: the head is not run, and the features it did not
+    def draft(self, plain: bool = False) -> DraftTree:
+        """This round's tree: the drafter's (under a controller, the chain it chooses), or with plain=True (plain
+        decoding chosen for this batch size) the root alone. Then the head is not run, and the features it did not
         see are kept for the next round that drafts (its cache stays in step)."""
-        max_depth = self.prepare_draft(shape)
+        max_depth = self.prepare_draft(plain)
         if max_depth is None:
             return self.tree
         return self.set_tree(self.drafter.draft(self.sequence, self.unseen, max_depth=max_depth,
@@ -107,30 +103,18 @@ class Sequence:
         in a batched head step: a sampled tree's spine is drafted one row a level)."""
         return self.draft_sampling is not None and getattr(self.drafter, "sampled_drafts", False)
 
-    def prepare_draft(self, shape: TreeShape | BatchTree | None = None) -> int | None:
-        """The first half of draft(): give the drafter this round's tree; -> the depth the drafter
-        may reach (the context limit), or None when the tree is the root alone (then already set).
-        A BatchTree also sets the n-gram chain length of a hybrid drafter (None: its own).
-        eagle_lab.serving.batch_draft drafts several sequences between this and set_tree."""
-        root = int(self.sequence[-1])
-        device = self.sequence.device
-        chain = shape.ngram_tokens if isinstance(shape, BatchTree) else None
-        shape = shape.shape if isinstance(shape, BatchTree) else shape
-        ngram = getattr(self.drafter, "ngram", None)
-        if self.own_ngram is not None:  # hybrid drafting: this batch size's chain length, or the own one
-            own = self.own_ngram
-            ngram = own if chain is None else replace(own, max_tokens=chain) if chain else None
-        effective = shape if shape is not None else self.own_shape
-        if effective is not None and hasattr(self.drafter, "use_tree"):
-            self.drafter.use_tree(effective, ngram)
-        plain = effective is not None and effective.depth == 0 and ngram is None
-        if shape is None and getattr(self.drafter, "controller", None) is not None:  # the controller's round
+    def prepare_draft(self, plain: bool = False) -> int | None:
+        """The first half of draft(): settle this round's tree; -> the depth the drafter may reach (the context
+        limit), or None when the tree is the root alone (then already set): method=vanilla, plain decoding chosen
+        for this batch size, or a controller's round that drafts nothing. eagle_lab.serving.batch_draft drafts
+        several sequences between this and set_tree."""
+        if not plain and getattr(self.drafter, "controller", None) is not None:  # the controller's round
             planned, chain = self.drafter.plan(self.sequence, self.draft_sampling)
             plain = planned.depth == 0 and not chain
             if plain:
                 self.drafter.drop_plan()  # the features stay unseen here until a round drafts
-        if self.drafter is None or plain:  # (with n-gram branches, depth 0 is n-gram drafting alone)
-            self.tree = root_only_tree(root, device)
+        if self.drafter is None or plain:
+            self.tree = root_only_tree(int(self.sequence[-1]), self.sequence.device)
             return None
         return self.target.max_context - 1 - self.past
 

@@ -17,7 +17,6 @@ from eagle_lab.decoding.generate import Stopper
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
-from eagle_lab.drafters.growth import BatchTree, TreeShape
 from eagle_lab.models.target import Target
 from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.sequence import Sequence, score_rows
@@ -27,10 +26,10 @@ log = logging.getLogger(__name__)
 
 @torch.no_grad()
 def timed_batch_decoding(target: Target, prototype: EagleDrafter | None, prompts: list[list[int]],
-                         tree: BatchTree | None, new_tokens: int, rows: StaticRows,
+                         plain: bool, new_tokens: int, rows: StaticRows,
                          params: SamplingParams = SamplingParams(), seed: int = 0) -> dict:
-    """Decoding of len(prompts) sequences in one batch on `rows`, every round with `tree` (None: each
-    drafter's own tree for params' temperature), until the first sequence has `new_tokens` (so the batch
+    """Decoding of len(prompts) sequences in one batch on `rows`, every round plainly (plain=True) or with each
+    drafter's own tree (under a controller, its chain), until the first sequence has `new_tokens` (so the batch
     size never changes; eos is ignored). Prefills are not timed. -> {"tokens", "rounds", "seconds"} summed
     over the batch's rounds, and "outputs": each sequence's tokens (sampled rows draw from generators seeded
     seed, seed + 1, ...). prototype None: plain decoding."""
@@ -47,7 +46,7 @@ def timed_batch_decoding(target: Target, prototype: EagleDrafter | None, prompts
     start = time.perf_counter()
     try:
         while not any(s.done for s in sequences):
-            errors = drafting.draft(sequences, [tree] * len(sequences))
+            errors = drafting.draft(sequences, [plain] * len(sequences))
             failed = next((exc for exc in errors if exc is not None), None)
             if failed is not None:
                 raise failed
@@ -69,13 +68,12 @@ def build_row_graphs(target: Target, drafter: EagleDrafter | None, rows: StaticR
     on `rows`, so that each compiles (or loads) for every attended length now (the backend's compile_ahead)
     and no request waits for a compile. Graphs already on disk load in milliseconds. drafter None: a
     plain-decoding server. temperatures: those requests may ask."""
-    plain = BatchTree(TreeShape(0, 0, 0), 0)
     temperatures = [] if drafter is None else sorted(temperatures)
     counts = rows.buckets
     prompt = prompt[:max(1, rows.context // 2)]  # room for the steps' tokens
     for index, count in enumerate(counts, 1):
         log.info("server graphs [%d/%d]: %d row(s), plain%s step", index, len(counts),
                  count, "" if drafter is None else " and tree")
-        timed_batch_decoding(target, drafter, [prompt] * count, plain, 2, rows)  # the drafter's feature layers
+        timed_batch_decoding(target, drafter, [prompt] * count, True, 2, rows)  # the drafter's feature layers
         for temperature in temperatures:
-            timed_batch_decoding(target, drafter, [prompt] * count, None, 2, rows, SamplingParams(temperature))
+            timed_batch_decoding(target, drafter, [prompt] * count, False, 2, rows, SamplingParams(temperature))
