@@ -38,10 +38,10 @@ def head_for(target, kind: str, seed: int = 0):
     return new_head(target, seed=seed)
 
 
-def fork_with(prototype: EagleDrafter, shape: TreeShape) -> EagleDrafter:
-    drafter = prototype.fork()
-    drafter.use_tree(shape, drafter.ngram)
-    return drafter
+def fork_with(prototype: EagleDrafter, shape: TreeShape, hybrid: bool = True) -> EagleDrafter:
+    """A drafter of the prototype's head (batched with its forks) drafting `shape`, with the prototype's n-gram
+    chains merged (hybrid) or none."""
+    return EagleDrafter(prototype.head, prototype.target, shape, prototype.ngram if hybrid else None)
 
 
 def new_sequence(target, drafter, prompt, length: int, rows) -> Sequence:
@@ -80,7 +80,6 @@ def run_rounds(target, sequences, joining, drafting, depth_cap=None, rounds=40):
                 sequence.prepare_draft = lambda plain, cap=max_depth: cap  # noqa: B023 - this round's cap
             if id(sequence) in twins and max_depth is not None:
                 twin = twins[id(sequence)]
-                twin.use_tree(sequence.drafter.shape, twin.ngram)
                 counts.append(sequence.unseen.shape[0])
                 expected[id(sequence)] = twin.draft(sequence.sequence, sequence.unseen, max_depth)
         if len(live) > 1:
@@ -123,9 +122,8 @@ def test_batched_trees_equal_each_drafters_own(tiny_target, kind):
     prompts = [as_tensor(encode_prompt(tiny_target.tokenizer, p, chat=False), tiny_target.device)
                for p in ("Hi", "Tell me a story about a dragon.", "1 2 3 1 2 3 1 2", "def f(x):", "abc abc ab",
                          "x = 1; y = 2; x = 1;")]
-    drafters = [prototype.fork(), fork_with(prototype, SHAPES[1]), other.fork(),
-                NgramDrafter(NgramProposer(1, 3, 4)), None, other.fork()]
-    drafters[0].use_tree(drafters[0].shape, None)  # hybrid and not, in one head batch
+    drafters = [fork_with(prototype, SHAPES[0], hybrid=False), fork_with(prototype, SHAPES[1]), other.fork(),
+                NgramDrafter(NgramProposer(1, 3, 4)), None, other.fork()]  # hybrid and not, in one head batch
     rows = static_rows(tiny_target, rows=8)
     sequences = [new_sequence(tiny_target, d, p, n, rows) for d, p, n in zip(drafters, prompts, (8, 30, 12, 10, 6, 20))]
     joiner = new_sequence(tiny_target, fork_with(prototype, SHAPES[2]), prompts[2], 24, rows)

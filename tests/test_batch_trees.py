@@ -119,7 +119,7 @@ def test_choices_are_timed_per_temperature_cached_and_retimed_when_a_tree_change
     again = choose_batch_trees(tiny_llama, drafter, rows, 4, prompts, 8, temperatures=(0.7, 0.0))
     assert not timed and again == first  # read back, nothing timed
 
-    drafter.use_tree(TreeShape(3, 2, 4))
+    drafter = EagleDrafter(drafter.head, tiny_llama, TreeShape(3, 2, 4))
     choose_batch_trees(tiny_llama, drafter, rows, 4, prompts, 8, temperatures=(0.7, 0.0))
     assert timed  # another tree: timed again
 

@@ -60,12 +60,6 @@ class DraftModelDrafter:
         fork.cache, fork.committed, fork.last_candidates = self.model.new_cache(), 0, None
         return fork
 
-    def use_tree(self, shape: TreeShape, ngram=None) -> None:
-        """Draft `shape` from now on (a draft model merges no n-gram chains)."""
-        if ngram is not None:
-            raise EagleLabError("a draft model merges no n-gram chains")
-        self.shape = shape
-
     def reset(self) -> None:
         self.cache = self.model.new_cache()
         self.committed = 0

@@ -87,10 +87,6 @@ class EagleDrafter:
         """Head steps whose graphs are missing run eagerly from now on (forks share the runner)."""
         self.runner.build = False
 
-    def use_tree(self, shape: TreeShape, ngram: NgramProposer | None = None) -> None:
-        """Draft `shape` from now on, with `ngram`'s chains merged in (None: no chains)."""
-        self.shape, self.ngram = shape, ngram
-
     def adopt_cache(self, cache: HeadKVCache, committed: int) -> None:
         """Continue from `cache`, whose first `committed` pairs are the committed sequence's (batched drafting
         hands each row's cache back this way)."""

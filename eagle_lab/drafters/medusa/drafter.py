@@ -19,7 +19,6 @@ from eagle_lab.drafters.eagle.head import draft_lm_head_weight
 from eagle_lab.drafters.growth import Candidates, TreeShape, grow_dynamic_tree
 from eagle_lab.drafters.medusa.heads import MedusaHeads
 from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
-from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import Target
 
 
@@ -30,7 +29,8 @@ class MedusaDrafter:
     def __init__(self, heads: MedusaHeads, target: Target, shape: TreeShape, sampled_drafts: bool = True):
         """sampled_drafts: whether a draft() at T > 0 draws its tokens (else its heads' top-k)."""
         self.heads, self.target, self.sampled_drafts = heads.eval(), target, sampled_drafts
-        self.use_tree(shape)
+        # no deeper than there are heads
+        self.shape = TreeShape(min(shape.depth, self.heads.arch.num_heads), shape.topk, shape.total_tokens)
         self.rows = draft_lm_head_weight(heads, target)  # [Vd, H] the target's LM-head rows
         self.last_candidates: Candidates | None = None
 
@@ -39,12 +39,6 @@ class MedusaDrafter:
         fork = copy.copy(self)
         fork.last_candidates = None
         return fork
-
-    def use_tree(self, shape: TreeShape, ngram=None) -> None:
-        """Draft `shape` from now on, no deeper than there are heads (Medusa merges no n-gram chains)."""
-        if ngram is not None:
-            raise EagleLabError("Medusa heads merge no n-gram chains")
-        self.shape = TreeShape(min(shape.depth, self.heads.arch.num_heads), shape.topk, shape.total_tokens)
 
     def reset(self) -> None:
         pass  # no state between rounds: the heads read the newest target feature only
