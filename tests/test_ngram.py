@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from eagle_lab.decoding.tree import build_tree, retrieve_indices, root_only_tree
+from eagle_lab.decoding.tree import build_tree, root_only_tree
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer, copy_forward, merge_chain
 from eagle_lab.errors import EagleLabError
+from tests.test_tree import leaf_paths
 
 
 def propose(seq, min_match, max_match, max_tokens):
@@ -70,7 +71,7 @@ def test_chain_hangs_under_the_deepest_agreeing_node():
     ], dtype=torch.bool)
     assert torch.equal(merged.mask, expected_mask)
     assert (10 + merged.depths).tolist() == [10, 11, 11, 12, 12, 13, 14]  # positions after 10 cached tokens
-    assert retrieve_indices(merged.parents).tolist() == [[0, 2, -1, -1, -1], [0, 1, 3, -1, -1],
+    assert leaf_paths(merged.parents).tolist() == [[0, 2, -1, -1, -1], [0, 1, 3, -1, -1],
                                                          [0, 1, 4, 5, 6]]
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 
@@ -36,7 +35,6 @@ from eagle_lab.models.native import op_schemas
 from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
-CPU_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN", "freezing": True}
 CHOICE_FILE = "compile_choice.json"
 EAGER_MARGIN = 0.9  # compile=auto keeps a shape eager only when eager timed at least 10% faster
 # what the target step's packages are built from; the C++ kernels they call are not, only their ops' schemas
@@ -53,24 +51,6 @@ def doubling_lengths(first: int, capacity: int) -> list[int]:
         lengths.append(length)
         length *= 2
     return lengths + [capacity]
-
-
-def inductor_cache_dir() -> str:
-    """Where inductor keeps its artifacts (set once per process, before the first compile)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    # torch writes its default into the environment on first use; only a user's own choice is kept
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-
-
-def inductor_settings(settings: dict):
-    """A context with inductor's config patched. Inductor is imported here, on first use: importing it
-    takes a noticeable part of start-up, which a process that never compiles should not pay."""
-    import torch._inductor.config as inductor_config
-
-    return inductor_config.patch(settings)
 
 
 class _GuardSkipping:

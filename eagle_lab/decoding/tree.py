@@ -4,7 +4,6 @@ A tree of N nodes is given by `parents` [N] (node 0 is the root, parents[0] = -1
 parent index is smaller than its child's). From it follow:
   depths            [N]        root 0
   ancestor mask     [N, N]     mask[i, j] = j is i or an ancestor of i (tree attention)
-  retrieve_indices  [L, D + 1] one row per leaf: node indices from the root down, -1 padded
 `Drafter` is what the decoding loop asks of any drafter: a tree after the committed tokens.
 """
 
@@ -77,11 +76,6 @@ def node_depths(parents: torch.Tensor) -> torch.Tensor:
     return torch.tensor(_depths(parents.tolist()), dtype=parents.dtype, device=parents.device)
 
 
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    n = parents.numel()
-    return torch.tensor(_ancestor_rows(parents.tolist()), dtype=torch.bool, device=parents.device).reshape(n, n)
-
-
 def _depths(parents: list[int]) -> list[int]:
     depths = [0] * len(parents)
     for i in range(1, len(parents)):  # parents precede children, so one pass suffices
@@ -97,31 +91,6 @@ def _ancestor_rows(parents: list[int]) -> list[list[bool]]:
         row[i] = True
         rows.append(row)
     return rows
-
-
-def retrieve_indices(parents: torch.Tensor, depths: torch.Tensor | None = None) -> torch.Tensor:
-    """[L, D + 1]: the root-to-leaf path of every leaf, leaves in node order, -1 padded."""
-    n = parents.numel()
-    depths = node_depths(parents) if depths is None else depths
-    is_parent = torch.zeros(n, dtype=torch.bool, device=parents.device)
-    is_parent[parents[parents >= 0]] = True
-    leaves = torch.nonzero(~is_parent).flatten()  # [L]
-    max_depth = int(depths.max())
-    paths = torch.full((leaves.numel(), max_depth + 1), -1, dtype=torch.long, device=parents.device)
-    node = leaves.clone()
-    for step in range(max_depth + 1):
-        column = depths[leaves] - step  # where `node` sits on each path
-        valid = column >= 0
-        paths[valid.nonzero().flatten(), column[valid]] = node[valid]
-        node = torch.where(valid, parents[node.clamp(min=0)], node)
-    return paths
-
-
-def select_best(scores: torch.Tensor, parents: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """best_nodes on tensors: (kept candidate indices [n], their parents as node indices [n])."""
-    kept, new_parents = best_nodes(scores.tolist(), parents.tolist(), count)
-    return (torch.tensor(kept, dtype=torch.long, device=scores.device),
-            torch.tensor(new_parents, dtype=torch.long, device=scores.device))
 
 
 def best_nodes(scores: list[float], parents: list[int], count: int) -> tuple[list[int], list[int]]:

@@ -40,7 +40,6 @@ from eagle_lab.tree_search.costs import forward_ms, measure_target_costs
 
 log = logging.getLogger(__name__)
 
-ONLINE_DEPTH = 3  # the longest chain when tree.depth is not set: 4 tokens, the largest small bucket
 DEFAULT_PRIOR = 0.6  # acceptance at every depth before any request at a temperature was drafted
 PRIOR_WEIGHT = 4.0  # rounds' worth of evidence the prior counts for
 LONG_RUN_DECAY = 0.5 ** (1 / 512)  # the shared acceptance: an observation counts half after 512 more
