@@ -116,9 +116,8 @@ def measure_target_costs(target: Target, context: int, grid=K_GRID, backend: Bac
     bucket came out far apart on a drifting machine). Each timed call follows an untimed one of
     the same bucket, as a decoding loop calls one package round after round."""
     backend = backend or EagerBackend(target)
-    largest = largest_tree(backend, max(grid))
     buckets = sorted(getattr(backend, "buckets", None) or [])
-    sizes = buckets if buckets else [k for k in grid if k <= largest]
+    sizes = buckets or list(grid)
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, target.vocab_size, (context,), generator=g).to(target.device)
     scorer = backend.open(context, 16)
@@ -145,10 +144,4 @@ def measure_target_costs(target: Target, context: int, grid=K_GRID, backend: Bac
             call()  # each bucket is its own package: the first call after another one pays for the switch
             times[k].append(timed(call, reps=1))
     per_bucket = {k: statistics.median(v) for k, v in times.items()}
-    return {k: per_bucket[min(b for b in buckets if b >= k)] for k in range(1, largest + 1)}
-
-
-def largest_tree(backend: Backend | None, default: int) -> int:
-    """The most nodes a tree may have on this backend: its largest bucket for a static one."""
-    buckets = getattr(backend, "buckets", None)
-    return max(buckets) if buckets else default
+    return {k: per_bucket[min(b for b in buckets if b >= k)] for k in range(1, max(buckets) + 1)}

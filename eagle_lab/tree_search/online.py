@@ -174,11 +174,6 @@ class ChainController:
             return rounds[length]
         return rounds[length] + self.memory.forward(1 + length + chain) - self.memory.forward(1 + length)
 
-    def rates(self, chain: int = 0) -> dict[int, float]:
-        """Expected tokens per ms of every length (with the first `chain` n-gram tokens merged)."""
-        tokens = self.expected_tokens(chain)
-        return {length: tokens[length] / self.round_ms(length, chain) for length in range(self.max_depth + 1)}
-
     def choose(self, temperature: float = 0.0, proposed: int = 0) -> tuple[int, int]:
         """(chain length, n-gram tokens to merge of the `proposed` ones) for the next round of a request
         sampling at `temperature` (0: greedy)."""
