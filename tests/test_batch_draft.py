@@ -1,4 +1,4 @@
-"""Batched drafting (eagle_lab/serving/batch_draft.py): one head forward per tree level serves every
+"""Batched drafting (eagle_lab/drafters/eagle/batch.py): one head forward per tree level serves every
 sequence sharing a head, and each sequence gets the very tree its own EagleDrafter builds alone.
 
 Every batched round is checked against a twin drafter per sequence (a fork of the same head, fed
@@ -15,15 +15,15 @@ import torch
 
 from eagle_lab.decoding.generate import Stopper
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.sequence import Sequence, score_rows
+from eagle_lab.drafters.eagle.batch import BatchDrafter, HeadBatch
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.models.prompts import as_tensor, encode_prompt
-from eagle_lab.serving.batch_draft import BatchDrafter, HeadBatch
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.engine import Engine, drafter_factory
-from eagle_lab.serving.sequence import Sequence, score_rows
 from tests.conftest import small_vocab_target
 from tests.scheduler_helpers import Client, expected_alone, plan, run_plans, static_rows
 from tests.serving_helpers import TINY, serve_config
@@ -99,7 +99,7 @@ def run_rounds(target, sequences, joining, drafting, depth_cap=None, rounds=40):
                                            rtol=1e-4, atol=1e-4)
         for layers in {s.layer_ids for s in live}:  # one forward per kind of target features read
             group = [s for s in live if s.layer_ids == layers]
-            for sequence, scored in zip(group, score_rows(group[0].rows, group)):
+            for sequence, scored in zip(group, score_rows(group[0].scorer.rows, group)):
                 sequence.accept(scored)
     drafting.release()
     for sequence in live:  # every live drafter's own cache is back, and in step with its twin's

@@ -10,17 +10,16 @@ import pytest
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode
 from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.sequence import Sequence, score_rows
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.drafters.ngram import NgramProposer
 from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.serving import batch_trees
-from eagle_lab.serving.batch_trees import BatchTrees, choose_batch_trees
+from eagle_lab.serving.batch_trees import BatchTrees, choose_batch_trees, timed_batch_decoding
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.engine import Engine, drafter_factory
-from eagle_lab.serving.sequence import Sequence, score_rows
-from eagle_lab.serving.timed_batch import timed_batch_decoding
 from tests.scheduler_helpers import expected_alone, plan, run_plans, static_rows
 from tests.serving_helpers import TINY, RunningServer, serve_config
 

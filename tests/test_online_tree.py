@@ -255,8 +255,8 @@ def test_batched_rows_draft_their_controllers_chains_losslessly(tiny_target):
     """Three sequences decode in one batch of rows, each drafting the chain length its own controller picks (0 too:
     then it scores the root alone), sharing head steps where they draft: each sequence's tokens equal plain greedy
     decoding, and each controller hears of every round it planned, with the accepted count its sequence saw."""
-    from eagle_lab.serving.batch_draft import BatchDrafter
-    from eagle_lab.serving.sequence import Sequence, score_rows
+    from eagle_lab.decoding.sequence import Sequence, score_rows
+    from eagle_lab.drafters.eagle.batch import BatchDrafter
     from tests.scheduler_helpers import static_rows
 
     prompts = [torch.tensor(p) for p in ([5, 9, 3, 17, 2, 11], [4, 4, 8, 1], [30, 2, 7, 7, 7, 19, 3])]

@@ -364,16 +364,16 @@ def test_ngram_drafting_sampling_matches_target(kind):
 @pytest.mark.slow
 def test_whole_loop_rejects_the_wrong_rule_for_ngram_nodes(monkeypatch):
     """The same loop and test with certain_proposal_rule verifying trees that hold n-gram nodes."""
-    import eagle_lab.decoding.round
+    import eagle_lab.decoding.sequence
 
-    right = eagle_lab.decoding.round.verify
+    right = eagle_lab.decoding.sequence.verify
 
     def verify_wrong_on_ngram(tree, node_logits, params, generator=None):
         if tree.from_ngram is None:
             return right(tree, node_logits, params, generator)
         return certain_proposal_rule(tree, lambda node: target_probs(node_logits(node), params), generator)
 
-    monkeypatch.setattr(eagle_lab.decoding.round, "verify", verify_wrong_on_ngram)
+    monkeypatch.setattr(eagle_lab.decoding.sequence, "verify", verify_wrong_on_ngram)
     samples = 3000
     counts, _ = ngram_loop_counts("eagle+ngram", samples)
     expected = exact_sequence_probs(small_vocab_target(), LOOP_PROMPT, LOOP_PARAMS, LOOP_LENGTH)

@@ -1,4 +1,4 @@
-"""Batched speculative decoding (eagle_lab/serving/sequence.py, batching.py): one forward of the
+"""Batched speculative decoding (eagle_lab/decoding/sequence.py, batching.py): one forward of the
 static rows scores the trees of several sequences, and every sequence decodes exactly as it does alone.
 
 Greedy and seeded sampling are compared token for token with generate.py run alone (same
@@ -15,17 +15,17 @@ import torch
 
 from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, vanilla_decode
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.sequence import Sequence, score_rows
 from eagle_lab.drafters.draft_model.drafter import DraftModelDrafter
+from eagle_lab.drafters.eagle.batch import BatchDrafter
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.kinds import new_head
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.drafters.medusa.drafter import MedusaDrafter
 from eagle_lab.drafters.ngram import NgramDrafter, NgramProposer
 from eagle_lab.models.prompts import as_tensor, encode_prompt
-from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.engine import Engine, drafter_factory
-from eagle_lab.serving.sequence import Sequence, score_rows
 from tests.conftest import OracleDrafter, small_vocab_target
 from tests.scheduler_helpers import Client, expected_alone, plan, run_all, static_rows
 from tests.serving_helpers import TINY, serve_config
@@ -137,7 +137,7 @@ def test_sampling_at_batch_four_keeps_the_target_distribution(batched_drafting, 
     every row's 3-token sample tallied per prompt: both must follow the target's exact
     sequence distribution (the chi-square test of test_sampling_lossless, whose negative
     controls show it rejects a wrong acceptance rule). Drafting per sequence, or batched
-    (eagle_lab/serving/batch_draft.py, as the server drafts top-k trees at batch >= 2); trees drawn from the
+    (eagle_lab/drafters/eagle/batch.py, as the server drafts top-k trees at batch >= 2); trees drawn from the
     head's distribution are drafted per sequence. Also a Gemma 3 target whose sliding layers see 2 tokens (the
     longer prompt's 10 positions are 5 windows)."""
     target = small_vocab_target(family=family, sliding_window=window)
@@ -218,12 +218,12 @@ def test_cancelled_sequence_frees_its_slot_and_cache(engine):
 
 
 def test_a_failing_batched_forward_fails_its_jobs_and_the_server_goes_on(engine, monkeypatch):
-    import eagle_lab.serving.batching as batching
+    import eagle_lab.decoding.sequence as sequence_module
 
     def broken(rows, sequences):
         raise RuntimeError("out of memory (simulated)")
 
-    monkeypatch.setattr(batching, "score_rows", broken)
+    monkeypatch.setattr(sequence_module, "score_rows", broken)
     scheduler = BatchScheduler(max_batch=2, max_queue=4, target=engine.target, rows=engine.rows)
     first = [Client(engine, plan(engine, f"doomed {i}", 10), f"d{i}") for i in range(2)]
     for client in first:

@@ -153,9 +153,9 @@ class TreeLog:
     def __init__(self):
         self.trees = []
 
-    def phase(self, name, seconds, result) -> None:
-        if result is not None:
-            self.trees.append(result.tree)
+    def phase(self, name, seconds, tree) -> None:
+        if tree is not None:
+            self.trees.append(tree)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from eagle_lab.benchmark.methods import split_method
 from eagle_lab.benchmark.report import REFERENCE
 from eagle_lab.benchmark.runs import Run
 from eagle_lab.builders import SPECULATIVE
-from eagle_lab.decoding.generate import GenerationStats
+from eagle_lab.decoding.sequence import GenerationStats
 
 
 def plain_reference(method: str) -> str:

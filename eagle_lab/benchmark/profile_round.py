@@ -6,7 +6,7 @@ Decodes one calibration prompt greedily on the embedded target with its packaged
 random head if none), plain and speculative, on the same backend, and prints per round: the
 drafting, the scoring forward (target and LM head: one graph when compiled), verification,
 the commit (cache compaction) and everything else, beside one plain step. The phases come
-from the round's observer hook (eagle_lab/decoding/round.py); nothing is patched. With ops=true,
+from the round's observer hook (eagle_lab.decoding.sequence.py); nothing is patched. With ops=true,
 torch's profiler then runs the plain and the speculative decode once more and prints each one's
 operators by their own CPU time (a compiled graph shows as one entry).
 """

@@ -12,7 +12,7 @@ import torch
 
 from eagle_lab.config import ServeConfig
 from eagle_lab.decoding.backend import Backend
-from eagle_lab.decoding.generate import GenerationStats
+from eagle_lab.decoding.sequence import GenerationStats
 from eagle_lab.decoding.tree import Drafter
 from eagle_lab.models.target import Target
 

@@ -1,62 +1,34 @@
-"""The decoding loops: plain autoregressive (the baseline) and speculative (draft + verify).
+"""Decoding prompts, every way through one loop (eagle_lab.decoding.sequence.Sequence).
 
-Both are generators that yield each chunk of accepted tokens as soon as it is known, and
-return a `GenerationStats`; `generate()` drains one into a `GenerationResult`. Stopping
-(eos, stop strings, max_new_tokens, context limit) lives in `Stopper`, shared by both.
+vanilla_decode and speculative_decode decode one prompt: generators that yield each chunk of accepted tokens as
+soon as it is known and return the sequence's GenerationStats; generate() drains one into a GenerationResult.
+decode_prompts decodes many prompts plainly on the rows of one static cache (regeneration). Stopping (eos, stop
+strings, max_new_tokens, context limit) lives in the sequence's Stopper.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
 import torch
 
 from eagle_lab.decoding.backend import Backend, EagerBackend
-from eagle_lab.decoding.round import RoundObserver, speculative_round
-from eagle_lab.decoding.sampling import SamplingParams, next_token
-from eagle_lab.decoding.scoring import Scorer
-from eagle_lab.decoding.tree import Drafter, DraftTree
+from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.sequence import (
+    GenerationStats,
+    RoundObserver,
+    Sequence,
+    Stopper,
+    check_prompt,
+    feature_layers,
+    score_rows,
+)
+from eagle_lab.decoding.static_rows import StaticRows
+from eagle_lab.decoding.tree import Drafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import Target
-
-
-@dataclass
-class GenerationStats:
-    new_tokens: int = 0
-    target_forwards: int = 0  # prefill included, so plain decoding has tau = 1
-    rounds: int = 0  # verification rounds
-    accepted_draft_tokens: int = 0
-    tree_tokens: int = 0  # draft tokens scored by the target
-    accepted_ngram_tokens: int = 0  # accepted draft tokens that only an n-gram chain proposed
-    ngram_tree_tokens: int = 0  # draft tokens an n-gram chain added to the trees (scored too)
-    reached_depth: list[int] = field(default_factory=list)  # rounds whose tree reached depth d (index d-1)
-    accepted_depth: list[int] = field(default_factory=list)  # rounds that accepted >= d drafts
-    stop_reason: str = ""
-    wall_s: float = 0.0
-
-    @property
-    def accept_length(self) -> float:
-        """tau: tokens emitted per target forward, bonus token included."""
-        return self.new_tokens / max(self.target_forwards, 1)
-
-    @property
-    def ngram_share(self) -> float:
-        """Share of accepted draft tokens (bonus tokens excluded) that came from n-gram branches."""
-        return self.accepted_ngram_tokens / self.accepted_draft_tokens if self.accepted_draft_tokens else 0.0
-
-    def record_round(self, tree_depth: int, accepted: int, tree_tokens: int, accepted_ngram: int = 0,
-                     ngram_tokens: int = 0) -> None:
-        for counts, upto in ((self.reached_depth, tree_depth), (self.accepted_depth, accepted)):
-            counts.extend([0] * (upto - len(counts)))
-            for d in range(upto):
-                counts[d] += 1
-        self.rounds += 1
-        self.accepted_draft_tokens += accepted
-        self.tree_tokens += tree_tokens
-        self.accepted_ngram_tokens += accepted_ngram
-        self.ngram_tree_tokens += ngram_tokens
 
 
 @dataclass
@@ -65,50 +37,18 @@ class GenerationResult:
     stats: GenerationStats
 
 
-class Stopper:
-    """Decides where generation ends: eos, a stop string, max_new_tokens (>= 1: the configs check it)."""
-
-    def __init__(self, tokenizer, max_new_tokens: int, eos_ids: set[int], stop: Sequence[str] = ()):
-        self.tokenizer, self.max_new_tokens, self.eos_ids = tokenizer, max_new_tokens, set(eos_ids)
-        self.stop = [s for s in stop if s]
-        self._longest = max((len(s) for s in self.stop), default=0)
-        self.generated: list[int] = []
-
-    def accept(self, tokens: list[int]) -> tuple[list[int], str]:
-        """Cut `tokens` where generation must end; returns (tokens to emit, reason or '')."""
-        emitted: list[int] = []
-        for token in tokens:
-            emitted.append(token)
-            self.generated.append(token)
-            if token in self.eos_ids:
-                return emitted, "eos"
-            if self.stop and self._hit_stop_string():
-                return emitted, "stop"
-            if len(self.generated) >= self.max_new_tokens:
-                return emitted, "length"
-        return emitted, ""
-
-    def _hit_stop_string(self) -> bool:
-        # decode everything: a tail window can split a multi-byte character differently
-        text = self.tokenizer.decode(self.generated, skip_special_tokens=True)
-        return any(s in text[-(self._longest + 16):] for s in self.stop)
-
-
-def check_prompt(target: Target, prompt_ids: torch.Tensor, max_context: int | None = None) -> None:
-    """Refuse an empty prompt, or one longer than the target's context (or max_context)."""
-    limit = target.max_context if max_context is None else max_context
-    if prompt_ids.numel() == 0:
-        raise EagleLabError("the prompt is empty")
-    if prompt_ids.numel() > limit:
-        raise EagleLabError(f"the prompt has {prompt_ids.numel()} tokens, more than the target's context of {limit}")
-
-
-def _open(target: Target, backend: Backend | None, prompt_ids: torch.Tensor, stopper: Stopper,
-          layer_ids: tuple[int, ...] = ()) -> Scorer:
+def _decode(target: Target, drafter: Drafter | None, prompt_ids: torch.Tensor, params: SamplingParams,
+            stopper: Stopper, generator: torch.Generator | None, backend: Backend | None,
+            observer: RoundObserver | None = None) -> Generator[list[int], None, GenerationStats]:
     check_prompt(target, prompt_ids)
-    scorer = (backend or EagerBackend(target)).open(prompt_ids.numel(), stopper.max_new_tokens, layer_ids)
-    check_prompt(target, prompt_ids, scorer.max_context)
-    return scorer
+    scorer = (backend or EagerBackend(target)).open(prompt_ids.numel(), stopper.max_new_tokens,
+                                                    feature_layers(drafter))
+    sequence = Sequence(target, drafter, prompt_ids, params, stopper, generator, plain=drafter is None,
+                        scorer=scorer)
+    yield sequence.prefill()
+    while not sequence.done:
+        yield sequence.step(observer)
+    return sequence.stats
 
 
 def vanilla_decode(
@@ -116,24 +56,7 @@ def vanilla_decode(
     generator: torch.Generator | None = None, backend: Backend | None = None,
 ) -> Generator[list[int], None, GenerationStats]:
     """Plain decoding: one target forward per token. prompt_ids: [T]. backend: eager when None."""
-    stats, start = GenerationStats(), time.perf_counter()
-    scorer = _open(target, backend, prompt_ids, stopper)
-    logits = scorer.prefill(prompt_ids).logits[-1]  # [V]
-    first = torch.zeros(1, dtype=torch.long, device=target.device)  # the one scored token is kept
-    while True:
-        stats.target_forwards += 1
-        token = next_token(logits, params, generator)
-        emitted, reason = stopper.accept([token])
-        stats.new_tokens += len(emitted)
-        yield emitted
-        if not reason and scorer.past >= scorer.max_context:
-            reason = "context"
-        if reason:
-            break
-        logits = scorer.score(torch.tensor([token], device=target.device)).logits[0]  # [V]
-        scorer.commit(first)
-    stats.stop_reason, stats.wall_s = reason, time.perf_counter() - start
-    return stats
+    return (yield from _decode(target, None, prompt_ids, params, stopper, generator, backend))
 
 
 def speculative_decode(
@@ -142,40 +65,7 @@ def speculative_decode(
     observer: RoundObserver | None = None,
 ) -> Generator[list[int], None, GenerationStats]:
     """Draft a tree, score it in one target forward, keep the accepted path. prompt_ids: [T]."""
-    stats, start = GenerationStats(), time.perf_counter()
-    layer_ids = tuple(getattr(drafter, "feature_layers", ()))  # EAGLE-3 heads read several layers
-    scorer = _open(target, backend, prompt_ids, stopper, layer_ids)
-    drafter.reset()
-    scored = scorer.prefill(prompt_ids)
-    new_features = scored.head_features  # [T, F]
-    stats.target_forwards += 1
-    root = next_token(scored.logits[-1], params, generator)
-    emitted, reason = stopper.accept([root])
-    stats.new_tokens += len(emitted)
-    yield emitted
-    sequence = torch.cat([prompt_ids, torch.tensor([root], device=prompt_ids.device)])  # [T + 1]
-    while not reason:
-        if scorer.past >= scorer.max_context:  # the root is not in the target cache yet
-            reason = "context"
-            break
-        step = speculative_round(scorer, drafter, sequence, new_features, params, generator, observer)
-        stats.target_forwards += 1
-        new_features = step.new_features  # [L + 1, F]
-        stats.record_round(step.tree.max_depth, step.accepted.numel() - 1, step.tree.size - 1,
-                           *_ngram_counts(step.tree, step.accepted))
-        emitted, reason = stopper.accept(step.new_tokens)
-        stats.new_tokens += len(emitted)
-        yield emitted
-        sequence = torch.cat([sequence, torch.tensor(step.new_tokens, device=sequence.device)])
-    stats.stop_reason, stats.wall_s = reason, time.perf_counter() - start
-    return stats
-
-
-def _ngram_counts(tree: DraftTree, accepted: torch.Tensor) -> tuple[int, int]:
-    """(accepted nodes an n-gram chain added, nodes it added) in this round's tree."""
-    if tree.from_ngram is None:
-        return 0, 0
-    return int(tree.from_ngram[accepted[1:]].sum()), int(tree.from_ngram.sum())
+    return (yield from _decode(target, drafter, prompt_ids, params, stopper, generator, backend, observer))
 
 
 def generate(decoder: Generator[list[int], None, GenerationStats]) -> GenerationResult:
@@ -186,3 +76,72 @@ def generate(decoder: Generator[list[int], None, GenerationStats]) -> Generation
             tokens.extend(next(decoder))
         except StopIteration as done:
             return GenerationResult(token_ids=tokens, stats=done.value)
+
+
+@dataclass
+class Reply:
+    token_ids: list[int]  # the generated tokens, without the eos that ended them
+    finished: bool  # ended with an eos token (not at max_new_tokens or the context)
+    # keep_features: [F, H] top features of every token the target read (the prompt, then each generated
+    # token fed back; a reply cut at its limit never feeds its last token: F = prompt + tokens - 1)
+    features: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def decode_prompts(rows: StaticRows, prompts: list[list[int]], params: SamplingParams, max_new_tokens: int,
+                   eos_ids: set[int], seeds: list[int] | None = None,
+                   on_reply: Callable[[int, Reply], None] | None = None, keep_features: bool = False) -> list[Reply]:
+    """prompts: token ids, each decoded on its own (plain decoding, batched) -> one Reply per prompt, in order.
+
+    Continuous batching: a prompt takes a row as soon as one is free and leaves it the round it ends, so no row
+    computes past its sequence's end. Each prompt samples with its own generator, seeded with its own seed, so
+    a sampled reply does not depend on which prompts shared its rounds. A prompt with no room under
+    `rows.context` gets an empty, unfinished reply. on_reply(index, reply) is called as each one ends (progress,
+    partial saving). keep_features: each Reply also carries the top features its forwards computed (what a
+    separate capture pass over the same tokens would)."""
+    seeds = list(range(len(prompts))) if seeds is None else seeds
+    if len(seeds) != len(prompts):
+        raise EagleLabError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    target, device = rows.target, rows.target.device
+    replies: list[Reply | None] = [None] * len(prompts)
+    pending = deque(range(len(prompts)))
+    active: list[tuple[int, Sequence]] = []
+
+    def answer(index: int, reply: Reply) -> None:
+        replies[index] = reply
+        if on_reply is not None:
+            on_reply(index, reply)
+
+    def end(index: int, sequence: Sequence) -> None:
+        finished = sequence.reason == "eos"
+        tokens = sequence.stopper.generated[:-1] if finished else sequence.stopper.generated
+        features = torch.cat(sequence.features).cpu() if keep_features else None
+        answer(index, Reply(list(tokens), finished, features))
+
+    while pending or active:
+        while pending and len(active) < len(rows.rows):
+            index = pending.popleft()
+            prompt = prompts[index]
+            limit = min(max_new_tokens, rows.context - len(prompt))
+            if not prompt or limit < 1:
+                answer(index, Reply([], False))
+                continue
+            sequence = Sequence(target, None, torch.tensor(prompt, device=device), params,
+                                Stopper(target.tokenizer, limit, eos_ids),
+                                torch.Generator(device=device).manual_seed(seeds[index]), rows=rows, plain=True,
+                                keep_features=keep_features)
+            sequence.prefill()
+            active.append((index, sequence))
+        live = [sequence for _, sequence in active if not sequence.done]
+        if live:
+            for sequence in live:
+                sequence.draft(plain=True)
+            scores = score_rows(rows, live)
+            rows.keep_roots([sequence.row for sequence in live], scores[0].scored_at)  # one copy for all rows
+            for sequence, scored in zip(live, scores):
+                sequence.accept(scored, kept=True)
+        for index, sequence in active:
+            if sequence.done:
+                end(index, sequence)
+        active = [(index, sequence) for index, sequence in active if not sequence.done]
+    return replies  # every prompt was answered above

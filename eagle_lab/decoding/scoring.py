@@ -34,6 +34,7 @@ class Scored:
 class Scorer(Protocol):
     past: int  # tokens committed to the cache
     max_context: int  # the committed length at which decoding must stop
+    layer_ids: tuple[int, ...]  # target layers whose features it returns as head_features (() for the top)
 
     def prefill(self, prompt_ids: torch.Tensor) -> Scored: ...
 
@@ -44,6 +45,10 @@ class Scorer(Protocol):
 
     def rewind(self) -> None:
         """Forget whatever was scored after `past` (a timed or abandoned round)."""
+        ...
+
+    def release(self) -> None:
+        """The sequence is done: free what it holds (a row of static rows)."""
         ...
 
 
@@ -87,3 +92,6 @@ class DynamicScorer:
 
     def rewind(self) -> None:
         truncate(self.cache, self.past)
+
+    def release(self) -> None:
+        self.cache = None

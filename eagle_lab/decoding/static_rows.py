@@ -220,7 +220,7 @@ class RowScorer:
         self.rows, self.layer_ids = rows, layer_ids
         self.row = rows.attach()
         self.max_context = rows.context
-        self.scored: RowScore | None = None  # the last score(), which commit() keeps from
+        self.scored: RowScore | None = None  # the last score (its own, or score_rows'), which commit() keeps from
 
     @property
     def past(self) -> int:
@@ -247,3 +247,6 @@ class RowScorer:
     def rewind(self) -> None:
         """Nothing to undo: the row's committed length did not move, and the next forward writes over what was
         scored after it."""
+
+    def release(self) -> None:
+        self.rows.detach(self.row)

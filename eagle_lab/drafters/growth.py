@@ -78,7 +78,7 @@ class TreeGrowth:
     """EAGLE-2's dynamic tree grown one level at a time, for one sequence: each level the frontier's k nodes
     get k children each, the best k of those k*k become the next frontier, and at the end the best
     `total_tokens` of all candidates become the tree. The single-sequence loop (grow_dynamic_tree) and
-    batched drafting (eagle_lab/serving/batch_draft.py) both grow trees with it."""
+    batched drafting (eagle_lab/drafters/eagle/batch.py) both grow trees with it."""
 
     def __init__(self, scores: torch.Tensor, tokens: torch.Tensor):
         """scores, tokens: [k] the root's children (log-probabilities, target token ids)."""

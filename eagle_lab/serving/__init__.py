@@ -3,14 +3,11 @@
   app.py        FastAPI routes: /health, /v1/models, /v1/completions, /v1/chat/completions (SSE streaming)
   protocol.py   request schemas and OpenAI-shaped response bodies
   http_errors.py  OpenAI-style error bodies ({"error": {message, type, param, code}})
-  engine.py     request -> checked plan (prompt, sampling, limits) -> Decoding (a Sequence + its text)
-  sequence.py   one request's decoding state, advanced round by round (prefill, draft, accept) in a row
-                of one static cache (eagle_lab/decoding/static_rows.py)
+  engine.py     request -> checked plan (prompt, sampling, limits) -> Decoding (a Sequence + its text;
+                eagle_lab/decoding/sequence.py, in a row of one static cache)
   batching.py   BatchScheduler: the batched round (continuous batching)
-  batch_draft.py  batched drafting: one head forward per tree level for every row sharing a head
-  batch_trees.py  the tree policy: (batch size, temperature) -> the row's own tree or plain decoding
-  timed_batch.py  the batched round timed in place (the tree policy's timings, the server's graphs)
-  drafters.py   one drafter per active sequence, sharing the head's weights
+  batch_trees.py  the tree policy: (batch size, temperature) -> the row's own tree or plain decoding, timed
+                in the batched round itself; the server's graphs built before it listens
   text_stream.py  token ids -> the text a client is sent (stop strings, partial UTF-8)
   scheduler.py  the one thread that owns the model: admission, cancellation, retirement
   server.py     config checks, model loading, uvicorn, graceful SIGTERM

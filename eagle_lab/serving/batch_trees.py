@@ -4,7 +4,7 @@ At batch 1 a row drafts its drafter's own tree (under tree=online, the chain its
 forward of B rows costs about what one row costs up to a few tokens per row, then grows with B x K, so drafting may
 stop paying as the batch grows. At batch 2, 4, 8 (and max_batch) and at each temperature requests are expected at,
 drafting (each row its own tree or controller) and plain decoding each decode B calibration prompts together in the
-scheduler's own round on the static rows (eagle_lab.serving.timed_batch), sampled rows with seeded generators,
+scheduler's own round on the static rows (eagle_lab.decoding.sequence.batch_round), sampled rows with seeded generators,
 twice, the second run timed; drafting is kept only where it beats plain decoding by `min_gain`. A batch size
 between two timed ones takes the choice of the next one up; a request's temperature takes the nearest one timed.
 Compiled, the first timing at each B compiles its graphs (minutes the first time; kept on disk). The choices are
@@ -17,24 +17,29 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from eagle_lab.builders import make_generator
 from eagle_lab.decoding.graph_store import code_digest
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.decoding.sequence import Sequence, Stopper, batch_round
 from eagle_lab.decoding.static_rows import StaticRows
+from eagle_lab.drafters.eagle.batch import BatchDrafter
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.target import Target
-from eagle_lab.serving.timed_batch import timed_batch_decoding
 from eagle_lab.tree_search.costs import timing_fingerprint
 
 log = logging.getLogger(__name__)
 PROBE_BATCHES = (2, 4, 8)
 # The batched round's code: a digest of these files is in the key of the cached choices, so a change
 # that may move the round's cost has them timed again instead of reused.
-ROUND_SOURCES = ("serving/batching.py", "serving/sequence.py", "serving/batch_draft.py", "serving/timed_batch.py",
-                 "serving/batch_trees.py", "decoding/static_rows.py", "decoding/verify.py", "decoding/compiled.py",
+ROUND_SOURCES = ("serving/batching.py", "decoding/sequence.py", "drafters/eagle/batch.py", "serving/batch_trees.py",
+                 "decoding/static_rows.py", "decoding/verify.py", "decoding/compiled.py",
                  "decoding/graph_store.py", "drafters/eagle/head_runner.py", "models/kernels/stable_linear.cpp",
                  "models/kernels/stable_attention.cpp")
 
@@ -118,3 +123,55 @@ def _choice_path(target: Target, drafter: EagleDrafter, rows: StaticRows, sizes:
               "new_tokens": new_tokens, "min_gain": min_gain, "round": code_digest(ROUND_SOURCES)}
     blob = json.dumps(fields, sort_keys=True, default=str)
     return cache_root() / "tree_online" / f"{target.name}-rows-{hashlib.sha1(blob.encode()).hexdigest()[:16]}.json"
+
+
+@torch.no_grad()
+def timed_batch_decoding(target: Target, prototype: EagleDrafter | None, prompts: list[list[int]],
+                         plain: bool, new_tokens: int, rows: StaticRows,
+                         params: SamplingParams = SamplingParams(), seed: int = 0) -> dict:
+    """Decoding of len(prompts) sequences in one batch on `rows`, in the server's round (batch_round, batched
+    drafting), every round plainly (plain=True) or with each drafter's own tree (under a controller, its chain),
+    until the first sequence has `new_tokens` (so the batch size never changes; eos is ignored). Prefills are not
+    timed. -> {"tokens", "rounds", "seconds"} summed over the batch's rounds, and "outputs": each sequence's
+    tokens (sampled rows draw from generators seeded seed, seed + 1, ...). prototype None: plain decoding."""
+    sequences = [Sequence(target, prototype.fork() if prototype is not None else None,
+                          torch.tensor(ids, device=target.device), params, Stopper(target.tokenizer, new_tokens, set()),
+                          None if params.greedy else make_generator(seed + index, target.device), rows=rows,
+                          plain=prototype is None)
+                 for index, ids in enumerate(prompts)]
+    for sequence in sequences:
+        sequence.prefill()
+    drafting = BatchDrafter()
+    tokens = rounds = 0
+    start = time.perf_counter()
+    try:
+        while not any(s.done for s in sequences):
+            for result in batch_round(rows, sequences, [plain] * len(sequences), drafting):
+                if isinstance(result, Exception):
+                    raise result
+                tokens += len(result)
+            rounds += 1
+    finally:
+        drafting.release()
+        for sequence in sequences:
+            if not sequence.done:
+                sequence.finish("timed")  # gives its row back
+    return {"tokens": tokens, "rounds": rounds, "seconds": time.perf_counter() - start,
+            "outputs": [list(s.stopper.generated) for s in sequences]}
+
+
+def build_row_graphs(target: Target, drafter: EagleDrafter | None, rows: StaticRows, prompt: list[int],
+                     temperatures: tuple[float, ...] = (0.0,)) -> None:
+    """Before a server listens: run every row count's plain step, and the step of each temperature's tree, once
+    on `rows`, so that each compiles (or loads) for every attended length now (the backend's compile_ahead)
+    and no request waits for a compile. Graphs already on disk load in milliseconds. drafter None: a
+    plain-decoding server. temperatures: those requests may ask."""
+    temperatures = [] if drafter is None else sorted(temperatures)
+    counts = rows.buckets
+    prompt = prompt[:max(1, rows.context // 2)]  # room for the steps' tokens
+    for index, count in enumerate(counts, 1):
+        log.info("server graphs [%d/%d]: %d row(s), plain%s step", index, len(counts),
+                 count, "" if drafter is None else " and tree")
+        timed_batch_decoding(target, drafter, [prompt] * count, True, 2, rows)  # the drafter's feature layers
+        for temperature in temperatures:
+            timed_batch_decoding(target, drafter, [prompt] * count, False, 2, rows, SamplingParams(temperature))

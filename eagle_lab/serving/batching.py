@@ -8,8 +8,8 @@ leave between rounds, Scheduler._admit):
   3. every other job drafts its tree: at batch 1 the drafter's own (under tree=online the chain its
      controller chooses), at batch B >= 2 what the tree policy says for B and the request's temperature
      (eagle_lab.serving.batch_trees: the own tree or plain decoding). Jobs sharing a head draft
-     together, one head forward per tree level (eagle_lab.serving.batch_draft);
-  4. one forward of the static rows scores all trees (eagle_lab.decoding.static_rows: every
+     together, one head forward per tree level (eagle_lab.drafters.eagle.batch);
+  4. one forward of the static rows scores all trees (eagle_lab.decoding.sequence.batch_round: every
      sequence decodes in a row of one static cache, compiled or eager), every node's logits from
      one LM-head matmul;
   5. each job verifies its tree with its own rule and generator, keeps its accepted entries and
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 
+from eagle_lab.decoding.sequence import batch_round
 from eagle_lab.decoding.static_rows import StaticRows
+from eagle_lab.drafters.eagle.batch import BatchDrafter
 from eagle_lab.models.target import Target
-from eagle_lab.serving.batch_draft import BatchDrafter
 from eagle_lab.serving.batch_trees import BatchTrees
 from eagle_lab.serving.scheduler import Job, ModelThread, Scheduler
-from eagle_lab.serving.sequence import score_rows
 
 log = logging.getLogger(__name__)
 
@@ -55,27 +55,18 @@ class BatchScheduler(Scheduler):
                 self._step(job, lambda job=job: self._prefill(job))
             else:
                 ready.append(job)
+        if not ready:
+            return
         plain = [self.trees.plain(len(ready), job.stream.sequence.params) for job in ready]
-        if self.drafting is not None:  # rows sharing a head draft together; a lone row drafts on its own cache
-            errors = self.drafting.draft([job.stream.sequence for job in ready], plain)
-            for job, exc in zip(ready, errors):
-                if exc is not None:
-                    self._fail(job, exc)
-            drafted = [job for job, exc in zip(ready, errors) if exc is None]
-        else:
-            drafted = [job for job, plain_row in zip(ready, plain)
-                       if self._step(job, lambda job=job, plain_row=plain_row: job.stream.sequence.draft(plain_row))]
-        if not drafted:
-            return
-        try:
-            scored = score_rows(self.rows, [job.stream.sequence for job in drafted])
-        except Exception as exc:  # noqa: BLE001 - a failed forward fails its jobs, not the server
-            for job in drafted:
-                self._fail(job, exc)
-            return
-        self.batch_sizes[len(drafted)] = self.batch_sizes.get(len(drafted), 0) + 1
-        for job, row in zip(drafted, scored):
-            self._step(job, lambda job=job, row=row: self._send(job, job.stream.accept(row)))
+        results = batch_round(self.rows, [job.stream.sequence for job in ready], plain, self.drafting)
+        scored = sum(not isinstance(result, Exception) for result in results)
+        if scored:
+            self.batch_sizes[scored] = self.batch_sizes.get(scored, 0) + 1
+        for job, result in zip(ready, results):
+            if isinstance(result, Exception):
+                self._fail(job, result)
+            else:
+                self._step(job, lambda job=job, tokens=result: self._send(job, job.stream.emitted(tokens)))
 
     def _prefill(self, job: Job) -> None:
         job.stream = job.start()

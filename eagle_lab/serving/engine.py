@@ -20,9 +20,9 @@ from jinja2.exceptions import TemplateError
 
 from eagle_lab.builders import make_generator
 from eagle_lab.config import ServeConfig
-from eagle_lab.decoding.generate import GenerationStats, Stopper
 from eagle_lab.decoding.sampling import SamplingParams
-from eagle_lab.decoding.static_rows import RowScore, StaticRows
+from eagle_lab.decoding.sequence import GenerationStats, Sequence, Stopper
+from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.decoding.tree import Drafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.prompts import as_tensor, encode_prompt
@@ -37,7 +37,6 @@ from eagle_lab.serving.protocol import (
     CompletionRequest,
     SamplingFields,
 )
-from eagle_lab.serving.sequence import Sequence
 from eagle_lab.serving.text_stream import TextStream
 
 log = logging.getLogger(__name__)
@@ -207,8 +206,9 @@ class Decoding:
     def prefill(self) -> list[Delta | Finished]:
         return self._events(self.sequence.prefill())
 
-    def accept(self, scored: RowScore) -> list[Delta | Finished]:
-        return self._events(self.sequence.accept(scored))
+    def emitted(self, tokens: list[int]) -> list[Delta | Finished]:
+        """The events of the tokens this round emitted (Sequence.accept's)."""
+        return self._events(tokens)
 
     def close(self) -> None:
         """Cancelled or failed: free the caches now."""

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from eagle_lab.decoding.generate import GenerationStats
+from eagle_lab.decoding.sequence import GenerationStats
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes

@@ -19,11 +19,10 @@ from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import load_target
-from eagle_lab.serving.batch_trees import BatchTrees, choose_batch_trees
+from eagle_lab.serving.batch_trees import BatchTrees, build_row_graphs, choose_batch_trees
 from eagle_lab.serving.batching import BatchScheduler
 from eagle_lab.serving.engine import Engine, drafter_factory
 from eagle_lab.serving.scheduler import ModelThread
-from eagle_lab.serving.timed_batch import build_row_graphs
 from eagle_lab.tree_search.costs import calibration_prompts
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ written. Each finished chunk is its own JSON file, written atomically: a killed 
 first missing chunk, and ranks deal out the missing chunks between them.
 
 Decoding: by default on the `rows` rows of one static cache with continuous batching
-(eagle_lab.decoding.batch_generate), several chunks at a time, so no row computes past the end
+(eagle_lab.decoding.generate.decode_prompts), several chunks at a time, so no row computes past the end
 of its reply; a target the static cache cannot hold, or `rows=0`, uses a batched Hugging Face
 `generate` per chunk. Each conversation samples from its own seed.
 """
@@ -37,10 +37,11 @@ import torch
 from tqdm import tqdm
 
 from eagle_lab.decoding.backend import StaticBackend
-from eagle_lab.decoding.batch_generate import generate_on_rows, grouped_query_sdpa
+from eagle_lab.decoding.generate import decode_prompts
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.errors import EagleLabError
+from eagle_lab.models.attention import grouped_query_sdpa
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.gguf_weights import FILE_WEIGHTS
 from eagle_lab.models.stable_linear import WEIGHTS
@@ -168,7 +169,7 @@ class ReplyWriter:
             params = SamplingParams(self.cfg.temperature, 0, self.cfg.top_p)
             told = None if self.on_reply is None else (lambda index, reply: self.on_reply(len(reply.token_ids)))
             with grouped_query_sdpa():
-                out = generate_on_rows(self.rows, prompts, params, self.cfg.max_new_tokens, self.eos_ids, seeds,
+                out = decode_prompts(self.rows, prompts, params, self.cfg.max_new_tokens, self.eos_ids, seeds,
                                        on_reply=told)
             replies = [(reply.token_ids, reply.finished) for reply in out]
         else:

@@ -28,7 +28,7 @@ K_GRID = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # loop, the drafter, and what times it
 ROUND_CODE = (*TARGET_STEP_SOURCES, *HEAD_STEP_SOURCES, *KERNEL_SOURCES, "decoding/compiled.py",
               "decoding/graph_store.py", "drafters/eagle/head_runner.py", "decoding/static_rows.py",
-              "decoding/round.py", "decoding/generate.py", "decoding/verify.py", "decoding/backend.py",
+              "decoding/sequence.py", "decoding/generate.py", "decoding/verify.py", "decoding/backend.py",
               "decoding/scoring.py", "decoding/static_cache.py", "drafters/eagle/drafter.py", "drafters/growth.py",
               "drafters/ngram.py", "tree_search/costs.py")
 CALIBRATION_PROMPTS = (

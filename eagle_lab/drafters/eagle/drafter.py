@@ -265,7 +265,7 @@ class EagleDrafter:
                                  shape.topk, shape.total_tokens, sampling, expand)
 
     def tree_from(self, growth: TreeGrowth, sequence: torch.Tensor, max_depth: int) -> DraftTree:
-        """The tree a batched round grew for this drafter (eagle_lab/serving/batch_draft.py), kept as draft()
+        """The tree a batched round grew for this drafter (eagle_lab/drafters/eagle/batch.py), kept as draft()
         keeps its own: the candidates remembered, the n-gram chain merged."""
         tree, self.last_candidates = growth.tree(int(sequence[-1]), self.round_shape.total_tokens)
         chain = None

@@ -29,12 +29,12 @@ from __future__ import annotations
 import torch
 
 from eagle_lab.decoding.cache import move_row_entries
+from eagle_lab.decoding.sequence import Sequence
 from eagle_lab.decoding.tree import DraftTree, root_only_tree
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache
 from eagle_lab.drafters.growth import TreeGrowth
 from eagle_lab.models.masks import additive_mask, causal_mask
-from eagle_lab.serving.sequence import Sequence
 
 
 def runs_head(sequence: Sequence) -> bool:
