@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from eagle_lab.benchmark.methods import PROMPT_LOOKUP_TOKENS
-from eagle_lab.benchmark.runs import BenchContext, Run, timed
+from eagle_lab.benchmark.runs import BenchContext, Run
 from eagle_lab.decoding.sampling import SamplingParams
+from eagle_lab.models.device import timed_call
 from eagle_lab.models.prompts import as_tensor
 
 
@@ -42,7 +43,7 @@ def run_hf(ctx: BenchContext, method: str, prompt_ids: list[int], params: Sampli
     try:
         if not params.greedy:
             torch.manual_seed(cfg.seed)
-        output, wall = timed(lambda: target.model.generate(input_ids, **kwargs), target.device)
+        output, wall = timed_call(lambda: target.model.generate(input_ids, **kwargs), target.device)
     finally:
         hook.remove()
     tokens, reason = cut_hf_output(output[0, input_ids.shape[1]:].tolist(), ctx.eos, cfg.max_new_tokens)

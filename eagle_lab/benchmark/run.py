@@ -43,7 +43,7 @@ from eagle_lab.benchmark.methods import (
 )
 from eagle_lab.benchmark.prompt_sets import load_bench_prompts
 from eagle_lab.benchmark.report import write_outputs
-from eagle_lab.benchmark.runs import BenchContext, Run, make_context, timed
+from eagle_lab.benchmark.runs import BenchContext, Run, make_context
 from eagle_lab.benchmark.sweep import run_sweep
 from eagle_lab.builders import SPECULATIVE, build_decoder, make_generator
 from eagle_lab.config import ServeConfig
@@ -52,6 +52,7 @@ from eagle_lab.decoding.generate import Stopper, generate
 from eagle_lab.decoding.heap import freeze_loaded_objects
 from eagle_lab.decoding.sampling import SamplingParams, temperature_key
 from eagle_lab.errors import EagleLabError
+from eagle_lab.models.device import timed_call
 from eagle_lab.models.prompts import as_tensor, encode_prompt
 from eagle_lab.models.target import load_target
 
@@ -188,6 +189,6 @@ def _run_eagle_lab(ctx: BenchContext, method: str, prompt_ids: list[int], params
                                 as_tensor(prompt_ids, target.device), params, stopper, generator, backend)
         return generate(decoder)
 
-    result, wall = timed(decode, target.device)
+    result, wall = timed_call(decode, target.device)
     stats = result.stats
     return Run(result.token_ids, wall, stats.target_forwards, stats.stop_reason, stats)

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import inspect
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from eagle_lab.config import ServeConfig
 from eagle_lab.decoding.backend import Backend
@@ -51,14 +47,3 @@ def make_context(cfg: ServeConfig, target: Target, drafters: dict[str, Drafter],
     params = inspect.signature(target.model.forward).parameters
     cache_kwarg = "cache" if "cache" in params else "past_key_values"
     return BenchContext(cfg, target, drafters, eos, int(pad), cache_kwarg, backend)
-
-def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
-    synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    synchronize(device)
-    return result, time.perf_counter() - start
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -23,7 +23,7 @@ from eagle_lab.decoding.scoring import DynamicScorer, Scorer
 from eagle_lab.decoding.static_cache import EAGER_BLOCK, StaticKVCache
 from eagle_lab.decoding.static_rows import RowScorer, StaticRows
 from eagle_lab.errors import EagleLabError
-from eagle_lab.models.masks import Mask, causal_mask, contiguous
+from eagle_lab.models.masks import Mask, causal_mask, contiguous, visibility
 from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
@@ -173,9 +173,7 @@ class StaticBackend:
         positions [R, K] -> additive [R, 1, K, capacity] (per layer type where they mix): the prefix [0, past)
         is visible to all, stale entries past past + K are hidden."""
         k, rows = allowed.shape[0], positions.shape[0]
-        full = torch.zeros(rows, k, capacity, dtype=torch.bool, device=allowed.device)  # [R, K, L]
-        full[:, :, :past] = True
-        full[:, :, past:past + k] = allowed
+        full = visibility([past] * rows, [allowed] * rows, k, capacity, past)  # [R, K, L]
         return self.target.layout.masks(full, positions, past, self.target.dtype)
 
     def prefill(self, cache: StaticKVCache, row: int, prompt_ids: torch.Tensor, layer_ids: tuple[int, ...]):

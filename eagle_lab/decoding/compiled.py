@@ -28,7 +28,7 @@ import torch
 
 from eagle_lab.decoding.graph_store import GraphStore
 from eagle_lab.decoding.step_graph import FlatStep, Step, cache_inputs
-from eagle_lab.models.device import cpu_features
+from eagle_lab.models.device import cpu_features, median_ms
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.masks import contiguous
 from eagle_lab.models.native import op_schemas
@@ -271,17 +271,9 @@ def _shape_name(rows: int, tokens: int) -> str:
 
 def _timed_ms(fn, cache, args, length: int, reps: int = 3) -> float:
     """Median ms of fn(*args), each call writing from cache position `length` (the counter is rewound)."""
-    sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
-    times = []
-    for _ in range(reps):
-        cache.set_length(length)
-        sync()
-        start = time.perf_counter()
-        fn(*args)
-        sync()
-        times.append(time.perf_counter() - start)
+    ms = median_ms(lambda: fn(*args), reps, before=lambda: cache.set_length(length), device=cache.device)
     cache.set_length(length)
-    return sorted(times)[reps // 2] * 1000
+    return ms
 
 
 def _read_verdicts() -> dict:
@@ -321,12 +313,7 @@ def _timed_step_ms(backend, context: int, reps: int = 5) -> float:
     prompt = torch.randint(3, backend.target.vocab_size, (context,), generator=generator).to(backend.target.device)
     scorer.prefill(prompt)
     token = prompt[-1:]
-    times = []
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        scorer.score(token)
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[reps // 2] * 1000
+    return median_ms(lambda: scorer.score(token), reps, warmup=1, device=backend.target.device)
 
 
 def choose(target: Target, compiled, eager):

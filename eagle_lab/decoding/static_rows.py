@@ -32,7 +32,7 @@ from eagle_lab.decoding.scoring import Scored
 from eagle_lab.decoding.static_cache import StaticKVCache
 from eagle_lab.decoding.tree import DraftTree
 from eagle_lab.errors import EagleLabError
-from eagle_lab.models.masks import causal_mask
+from eagle_lab.models.masks import causal_mask, visibility
 from eagle_lab.models.target import Target
 
 
@@ -168,14 +168,13 @@ class StaticRows:
         length = self.backend.attended_length(width + tokens_per_row, self.capacity, batch, tokens_per_row, layer_ids)
         input_ids = torch.zeros(batch, tokens_per_row, dtype=torch.long, device=device)  # (B, K)
         positions = torch.arange(width, width + tokens_per_row, device=device).repeat(batch, 1)  # (B, K)
-        allowed = torch.zeros(batch, tokens_per_row, length, dtype=torch.bool, device=device)  # (B, K, L)
-        allowed[:, :, width:width + tokens_per_row].diagonal(dim1=1, dim2=2).fill_(True)  # padding sees itself
+        pasts, trees = [0] * batch, [None] * batch  # by row index: rows not in this round see only themselves
         for row, (tokens, depths, tree_mask) in zip(rows, nodes):
             n, i = tokens.numel(), row.index
             input_ids[i, :n] = tokens
             positions[i, :n] = row.past + depths
-            allowed[i, :n, :row.past] = True
-            allowed[i, :n, width:width + n] = tree_mask.to(device)
+            pasts[i], trees[i] = row.past, tree_mask.to(device)
+        allowed = visibility(pasts, trees, tokens_per_row, length, width)  # (B, K, L)
         mask = self.target.layout.masks(allowed, positions, width, dtype)  # (B, 1, K, L), per layer type if mixed
         hidden, layers, logits = self.backend.step(self.cache, width, length, input_ids, positions, mask, layer_ids)
         out = []

@@ -1,8 +1,12 @@
-"""Device and dtype choice: `auto` means CUDA when present, else CPU."""
+"""Device and dtype choice (`auto` means CUDA when present, else CPU), and timing work on a device."""
 
 from __future__ import annotations
 
 import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -99,3 +103,30 @@ def cpu_features() -> str:
     present = [flag for flag in _CPU_FLAGS if flag in cpu_flags()]
     capability = torch.backends.cpu.get_cpu_capability()
     return f"{platform.machine()}:{capability}:{'+'.join(present)}"
+
+
+def timed_call(fn: Callable[[], Any], device: torch.device | None = None) -> tuple[Any, float]:
+    """(fn(), its wall seconds), queued GPU work waited for before and after (device None: any CUDA device
+    present), so that the interval holds what it times. The one timer: every other timing goes through it."""
+    cuda = torch.cuda.is_available() if device is None else device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def median_ms(fn: Callable[[], Any], reps: int = 3, before: Callable[[], Any] | None = None, warmup: int = 0,
+              device: torch.device | None = None) -> float:
+    """Median ms of `reps` calls of fn, after `warmup` untimed ones; before() runs untimed ahead of each call
+    (rewinding a cache a call writes into)."""
+    times = []
+    for index in range(warmup + reps):
+        if before is not None:
+            before()
+        _, seconds = timed_call(fn, device)
+        if index >= warmup:
+            times.append(1000 * seconds)
+    return statistics.median(times)

@@ -122,12 +122,32 @@ def _causal_mask(count: int, device: torch.device) -> torch.Tensor:
     return steps[:, None] >= steps[None, :]
 
 
+def visibility(pasts: list[int], trees: list[torch.Tensor | None], queries: int, length: int, tree_start: int,
+               query_start: int | None = None) -> torch.Tensor:
+    """Which cache slots each query may attend to, for R rows that each write `queries` (K) queries at slots
+    query_start .. query_start + K - 1 (default: tree_start) of a cache of `length` (L) slots: row r's query
+    j < n_r sees the row's committed slots [0, pasts[r]) and the slots tree_start + c where trees[r][j, c]
+    (trees[r]: [n_r, m_r] bool, its tree's ancestor-or-self rows, or a chain's causal mask); every other query
+    (padding, or a whole row whose tree is None) sees only its own slot, so no softmax is empty. The one
+    builder of prefix-plus-tree masks: the target's forwards (one sequence, static rows) and the drafters'.
+    -> [R, K, L] bool."""
+    device = next(tree.device for tree in trees if tree is not None)
+    start = tree_start if query_start is None else query_start
+    allowed = torch.zeros(len(trees), queries, length, dtype=torch.bool, device=device)  # [R, K, L]
+    allowed[:, :, start:start + queries].diagonal(dim1=1, dim2=2).fill_(True)  # padding sees itself
+    for row, (past, tree) in enumerate(zip(pasts, trees)):
+        if tree is not None:
+            count, width = tree.shape
+            allowed[row, :count, :past] = True
+            allowed[row, :count, tree_start:tree_start + width] = tree
+    return allowed
+
+
 def tree_attention_mask(tree_mask: torch.Tensor, past_len: int, positions: torch.Tensor | None,
                         layout: AttentionLayout, dtype: torch.dtype) -> Mask:
     """tree_mask [K, K] bool (ancestor or self), positions [1, K] the nodes' positions (needed for a window)
     -> [1, 1, K, past_len + K] additive (per layer type when mixed): the committed prefix is visible to every
     node, within its window."""
     k = tree_mask.shape[0]
-    allowed = torch.ones(1, k, past_len + k, dtype=torch.bool, device=tree_mask.device)  # [1, K, L]
-    allowed[0, :, past_len:] = tree_mask
+    allowed = visibility([past_len], [tree_mask], k, past_len + k, past_len)  # [1, K, L]
     return layout.masks(allowed, positions, past_len, dtype)

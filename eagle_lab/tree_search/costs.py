@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-import time
 from dataclasses import asdict
 
 import torch
@@ -18,6 +17,7 @@ from eagle_lab.decoding.graph_store import code_digest
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.head_step import STEP_SOURCES as HEAD_STEP_SOURCES
 from eagle_lab.drafters.ngram import NgramProposer
+from eagle_lab.models.device import median_ms
 from eagle_lab.models.masks import causal_mask
 from eagle_lab.models.native import NATIVE, kernel_march
 from eagle_lab.models.prompts import encode_prompt, has_chat_template
@@ -87,23 +87,6 @@ def forward_ms(timed: dict[int, float], k: int) -> float:
     return timed[hi] + (k - hi) * (timed[hi] - timed[lo]) / (hi - lo)
 
 
-def _synchronize() -> None:
-    """Wait for queued GPU work, so that a wall-clock interval holds what it times."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, reps: int = 3) -> float:
-    times = []
-    for _ in range(reps):
-        _synchronize()
-        start = time.perf_counter()
-        fn()
-        _synchronize()
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
-
-
 @torch.no_grad()
 def measure_target_costs(target: Target, context: int, grid=K_GRID, backend: Backend | None = None,
                          reps: int = 5) -> dict[int, float]:
@@ -137,11 +120,11 @@ def measure_target_costs(target: Target, context: int, grid=K_GRID, backend: Bac
     for call in calls.values():
         call()  # warm-up (and, for a compiled backend, the bucket's compile)
     if not buckets:
-        return {k: timed(call) for k, call in calls.items()}
+        return {k: median_ms(call) for k, call in calls.items()}
     times: dict[int, list[float]] = {k: [] for k in sizes}
     for _ in range(reps):
         for k, call in calls.items():
             call()  # each bucket is its own package: the first call after another one pays for the switch
-            times[k].append(timed(call, reps=1))
+            times[k].append(median_ms(call, reps=1))
     per_bucket = {k: statistics.median(v) for k, v in times.items()}
     return {k: per_bucket[min(b for b in buckets if b >= k)] for k in range(1, max(buckets) + 1)}

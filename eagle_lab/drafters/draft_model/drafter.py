@@ -22,7 +22,7 @@ from eagle_lab.decoding.tree import DraftTree, root_only_tree
 from eagle_lab.drafters.growth import Candidates, TreeShape, grow_dynamic_tree
 from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
 from eagle_lab.errors import EagleLabError
-from eagle_lab.models.masks import additive_mask
+from eagle_lab.models.masks import additive_mask, visibility
 from eagle_lab.models.target import Target
 
 
@@ -95,9 +95,8 @@ class DraftModelDrafter:
 
         def expand(level: int, frontier_tokens: torch.Tensor, rows: torch.Tensor | None, visible: torch.Tensor):
             past = cache_length(self.cache)  # committed + earlier levels' frontiers
-            allowed = torch.ones(k, past + k, dtype=torch.bool, device=device)
-            allowed[:, self.committed:] = visible
-            mask = additive_mask(allowed, dtype)  # [k, past + k]
+            allowed = visibility([self.committed], [visible], k, past + k, self.committed)[0]  # [k, past + k]
+            mask = additive_mask(allowed, dtype)
             positions = torch.full((1, k), self.committed + level - 1, device=device)
             out = self.model.forward(frontier_tokens[None], self.cache, positions,
                                      attention_mask=mask.view(1, 1, k, past + k))

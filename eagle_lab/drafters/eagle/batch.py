@@ -34,7 +34,7 @@ from eagle_lab.decoding.tree import DraftTree, root_only_tree
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.drafters.eagle.head import EagleHead, HeadKVCache
 from eagle_lab.drafters.growth import TreeGrowth
-from eagle_lab.models.masks import additive_mask, causal_mask
+from eagle_lab.models.masks import additive_mask, causal_mask, visibility
 
 
 def runs_head(sequence: Sequence) -> bool:
@@ -150,14 +150,12 @@ class HeadBatch:
         tokens = torch.zeros(len(rows), length, dtype=torch.long, device=device)  # [B, P]
         unseen = [row.sequence.unseen for row in rows]
         features = unseen[0].new_zeros(len(rows), length, unseen[0].shape[-1], dtype=self.head.dtype)  # [B, P, F]
-        allowed = torch.zeros(len(rows), length, width + length, dtype=torch.bool, device=device)  # [B, P, W + P]
-        causal = causal_mask(length, device)
         steps = torch.arange(length, device=device)
-        for i, (row, past, count) in enumerate(zip(rows, pasts, counts)):
+        for i, (row, count) in enumerate(zip(rows, counts)):
             tokens[i, :count] = row.sequence.sequence[row.sequence.sequence.numel() - count:]
             features[i, :count] = unseen[i]
-            allowed[i, :count, :past] = True
-            allowed[i, :, width:] = causal  # real queries see only real new pairs; padded ones stay non-empty
+        causal = [causal_mask(count, device) for count in counts]  # row i's new pairs, causally
+        allowed = visibility(pasts, causal, length, width + length, width)  # [B, P, W + P]
         positions = torch.tensor(pasts, device=device)[:, None] + steps  # [B, P]
         out = self._forward(drafters[0], tokens, features, positions, allowed, False)  # [B, P, H]
         for i, (drafter, past, count) in enumerate(zip(drafters, pasts, counts)):
@@ -180,15 +178,13 @@ class HeadBatch:
             tokens = torch.zeros(len(rows), slots, dtype=torch.long, device=device)  # [B, K]
             features = self.head.fc.weight.new_zeros(len(rows), slots, hidden_size)  # [B, K, H]
             positions = torch.zeros(len(rows), slots, dtype=torch.long, device=device)  # [B, K]
-            allowed = torch.zeros(len(rows), slots, width + entries + slots, dtype=torch.bool,
-                                  device=device)  # [B, K, W + E + K]
-            allowed[:, :, width + entries:] = torch.eye(slots, dtype=torch.bool, device=device)  # itself
+            pasts, trees = [0] * len(rows), [None] * len(rows)  # a row whose tree is shallower sees only itself
             for i in live:
                 row = rows[i]
                 tokens[i, :row.k], features[i, :row.k] = row.growth.frontier_tokens, row.parent_hidden
                 positions[i] = row.drafter.committed + level - 1
-                allowed[i, :row.k, :row.drafter.committed] = True
-                allowed[i, :row.k, width:] = row.growth.visible(slots)
+                pasts[i], trees[i] = row.drafter.committed, row.growth.visible(slots)  # [k_i, E + K]
+            allowed = visibility(pasts, trees, slots, width + entries + slots, width, width + entries)  # [B, K, W+E+K]
             out = self._forward(drafter, tokens, features, positions, allowed, True)  # [B, K, H]
             outs = [out[i, :rows[i].k] for i in live]  # [k_i, H] each
             for i, hidden, (logp, child_tokens) in zip(live, outs, self._top_children(outs, [rows[i] for i in live])):

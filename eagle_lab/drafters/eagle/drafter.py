@@ -34,6 +34,7 @@ from eagle_lab.drafters.eagle.head_runner import HeadStepRunner
 from eagle_lab.drafters.growth import Candidates, ChainControl, TreeGrowth, TreeShape, grow_dynamic_tree
 from eagle_lab.drafters.ngram import NgramProposer, common_prefix, merge_chain
 from eagle_lab.drafters.sampled import SUPPORT, grow_sampled_tree
+from eagle_lab.models.masks import visibility
 from eagle_lab.models.target import Target
 
 log = logging.getLogger(__name__)
@@ -214,8 +215,7 @@ class EagleDrafter:
         def expand(level: int, frontier_tokens: torch.Tensor, rows: torch.Tensor | None, visible: torch.Tensor):
             nonlocal predicted
             parent_hidden = predicted if rows is None else predicted[rows]  # [k, H] each node's parent feature
-            full = torch.ones(k, self.committed + visible.shape[1], dtype=torch.bool, device=device)
-            full[:, self.committed:] = visible
+            full = visibility([self.committed], [visible], k, self.committed + visible.shape[1], self.committed)[0]
             positions = torch.full((k,), self.committed + level - 1, device=device)
             predicted, top_logp, top_ids = self.runner(self.cache, frontier_tokens, parent_hidden, positions, full, k,
                                                        from_draft=True)  # [k, H], [k, k], [k, k]
