@@ -13,7 +13,7 @@ from eagle_lab.decoding.generate import Stopper, decode_prompts, generate, vanil
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.errors import EagleLabError
-from eagle_lab.models.attention import grouped_query_sdpa
+from eagle_lab.models.target import grouped_query_sdpa
 
 
 def rows_for(target, rows=2, context=64, row_counts=None) -> StaticRows:

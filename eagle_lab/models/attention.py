@@ -18,10 +18,7 @@ Other dtypes and devices take SDPA with grouped heads read in place (`enable_gqa
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -87,20 +84,3 @@ def use_cpu_attention(model) -> bool:
     load_attention_kernel()
     model.set_attn_implementation(NAME)
     return True
-
-
-@contextlib.contextmanager
-def grouped_query_sdpa() -> Iterator[None]:
-    """Hugging Face's SDPA attention with grouped-query heads read in place (`enable_gqa`) even under a
-    mask. By default it copies each key/value head to every query head it serves first, which on CPU
-    makes attention over many rows and positions several times slower. Same result up to the kernels' rounding."""
-    name = "TRANSFORMERS_SDPA_FORCE_GQA"
-    before = os.environ.get(name)
-    os.environ[name] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before

@@ -7,8 +7,11 @@ returns features (the LM-head input) and logits, and the loop decides.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -241,3 +244,20 @@ def _load_pretrained(path: str, dtype: torch.dtype, cfg: TargetConfig):
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise EagleLabError(f"could not load target '{path}': {first_line}") from exc
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def grouped_query_sdpa() -> Iterator[None]:
+    """Hugging Face's SDPA attention with grouped-query heads read in place (`enable_gqa`) even under a
+    mask. By default it copies each key/value head to every query head it serves first, which on CPU
+    makes attention over many rows and positions several times slower. Same result up to the kernels' rounding."""
+    name = "TRANSFORMERS_SDPA_FORCE_GQA"
+    before = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

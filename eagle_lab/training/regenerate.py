@@ -41,11 +41,10 @@ from eagle_lab.decoding.generate import decode_prompts
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.errors import EagleLabError
-from eagle_lab.models.attention import grouped_query_sdpa
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.gguf_weights import FILE_WEIGHTS
 from eagle_lab.models.stable_linear import WEIGHTS
-from eagle_lab.models.target import Target
+from eagle_lab.models.target import Target, grouped_query_sdpa
 
 log = logging.getLogger(__name__)
 Messages = list[dict[str, str]]
