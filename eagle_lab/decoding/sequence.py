@@ -148,6 +148,7 @@ class Sequence:
         self.sequence: torch.Tensor | None = None  # (T + emitted,) committed tokens; the last is the root
         self.unseen: torch.Tensor | None = None  # (P, F) features the drafter has not been fed yet
         self.tree: DraftTree | None = None  # this round's tree, between draft() and accept()
+        self.plan = None  # a controlled drafter's plan for this round (drafter.plan: its shape, n-gram tokens)
         self.features: list[torch.Tensor] | None = [] if keep_features else None  # (n, H) pieces
         self.start = time.perf_counter()
 
@@ -216,8 +217,15 @@ class Sequence:
         max_depth = self.prepare_draft(plain)
         if max_depth is None:
             return self.tree
-        return self.set_tree(self.drafter.draft(self.sequence, self.unseen, max_depth=max_depth,
-                                                sampling=self.draft_sampling))
+        return self.set_tree(self.drafter.draft(self.sequence, self.unseen, max_depth, **self.draft_arguments))
+
+    @property
+    def draft_arguments(self) -> dict:
+        """What a drafter's draft() is told besides the sequence: the sampling, and a controlled drafter's plan."""
+        arguments = {"sampling": self.draft_sampling}
+        if self.plan is not None:
+            arguments["plan"] = self.plan
+        return arguments
 
     @property
     def draft_sampling(self) -> DraftSampling | None:
@@ -235,11 +243,11 @@ class Sequence:
         limit), or None when the tree is the root alone (then already set): method=vanilla, plain decoding chosen
         for this batch size, or a controller's round that drafts nothing. A batched drafter drafts several
         sequences between this and set_tree."""
+        self.plan = None
         if not plain and getattr(self.drafter, "controller", None) is not None:  # the controller's round
-            planned, chain = self.drafter.plan(self.sequence, self.draft_sampling)
-            plain = planned.depth == 0 and not chain
-            if plain:
-                self.drafter.drop_plan()  # the features stay unseen here until a round drafts
+            self.plan = self.drafter.plan(self.sequence, self.draft_sampling)
+            planned, chain = self.plan
+            plain = planned.depth == 0 and not chain  # the features stay unseen here until a round drafts
         if self.drafter is None or plain:
             self.tree = root_only_tree(int(self.sequence[-1]), self.sequence.device)
             return None

@@ -42,7 +42,7 @@ def runs_head(sequence: Sequence) -> bool:
     drafter = sequence.drafter
     if not isinstance(drafter, EagleDrafter) or drafter.has_backlog:  # a backlog is fed by drafting alone
         return False
-    shape = drafter.round_shape
+    shape = sequence.plan[0] if sequence.plan is not None else drafter.shape
     return shape.depth >= 1 and shape.topk >= 1 and shape.total_tokens >= 1
 
 
@@ -51,7 +51,7 @@ class Row:
 
     def __init__(self, sequence: Sequence, max_depth: int):
         self.sequence, self.drafter, self.max_depth = sequence, sequence.drafter, max_depth
-        shape = self.drafter.round_shape
+        shape = sequence.plan[0] if sequence.plan is not None else self.drafter.shape
         self.depth = min(shape.depth, max_depth)  # levels drafted; < 1: commit only, the tree is the root
         self.k = min(shape.topk, self.drafter.head.arch.draft_vocab_size)
         self.growth: TreeGrowth | None = None
@@ -71,7 +71,7 @@ class Row:
         if self.depth < 1:
             return drafter.merge_ngram_chain(root_only_tree(int(sequence[-1]), sequence.device), sequence,
                                              self.max_depth)
-        return drafter.tree_from(self.growth, sequence, self.max_depth)
+        return drafter.tree_from(self.growth, sequence, self.max_depth, self.sequence.plan)
 
 
 class HeadBatch:
@@ -248,7 +248,7 @@ class BatchDrafter:
             sequence = sequences[index]
             try:
                 sequence.set_tree(sequence.drafter.draft(sequence.sequence, sequence.unseen, max_depth,
-                                                         sampling=sequence.draft_sampling))
+                                                         **sequence.draft_arguments))
             except Exception as exc:  # noqa: BLE001
                 errors[index] = exc
         for key, rows in groups.items():

@@ -50,8 +50,6 @@ class EagleDrafter:
         self.head, self.target, self.shape = head.eval(), target, shape
         self.sampled_drafts = sampled_drafts
         self.controller = controller
-        # the controller's choice for the round being drafted: (chain shape, n-gram tokens to merge)
-        self._plan: tuple[TreeShape, list[int]] | None = None
         # the controller's round in flight, read when the next is planned: (the head's drafted chain, the n-gram
         # tokens merged, the sequence's length when it was drafted, its start; None: not to be timed)
         self._round: tuple[list[int], list[int], int, float | None] | None = None
@@ -80,7 +78,7 @@ class EagleDrafter:
         fork = copy.copy(self)  # shallow: module, target, shape, lm_weight, ngram shared
         fork.cache, fork.committed, fork.last_candidates = self.new_cache(), 0, None
         fork.controller = None if self.controller is None else self.controller.fork()
-        fork._round = fork._plan = None
+        fork._round = None
         fork._unseen = []
         return fork
 
@@ -105,7 +103,7 @@ class EagleDrafter:
     def reset(self) -> None:
         self.cache = self.new_cache()
         self.committed = 0
-        self._round = self._plan = None
+        self._round = None
         self._unseen = []
         if self.controller is not None:
             self.controller.reset()
@@ -115,14 +113,14 @@ class EagleDrafter:
         return top_logp, self.head.draft_to_target[top_ids]
 
     def draft(self, sequence: torch.Tensor, new_features: torch.Tensor, max_depth: int,
-              sampling: DraftSampling | None = None) -> DraftTree:
+              sampling: DraftSampling | None = None, plan: tuple[TreeShape, list[int]] | None = None) -> DraftTree:
+        """plan: the controller's choice for this round, from plan() (None: planned here)."""
         if not self.sampled_drafts:
             sampling = None
         if self.controller is None:
             shape, chain = self.shape, None
         else:
-            shape, chain = self._plan or self.plan(sequence, sampling)
-            self._plan = None
+            shape, chain = plan if plan is not None else self.plan(sequence, sampling)
         if self.controller is not None and shape.depth == 0:
             self._unseen.append(new_features)  # kept in pieces: one copy when a round drafts again
             tree = root_only_tree(int(sequence[-1]), sequence.device)
@@ -142,17 +140,12 @@ class EagleDrafter:
         """Whether rounds that drafted nothing left features the head has not been fed (draft() feeds them)."""
         return bool(self._unseen)
 
-    @property
-    def round_shape(self) -> TreeShape:
-        """The shape of the round being drafted: the controller's plan when one is made, else `shape`."""
-        return self._plan[0] if self._plan is not None else self.shape
-
     def plan(self, sequence: torch.Tensor, sampling: DraftSampling | None = None) -> tuple[TreeShape, list[int]]:
         """The controller's (chain, n-gram tokens) for the round about to be drafted from `sequence`, after telling
         it how the last one went: the tokens that round accepted follow the sequence it was drafted from, up to
         the bonus token (so rounds in between that drafted nothing do not blur it), and its time runs from its draft
         to this plan (unless that draft also fed the head what rounds without drafts left: a cost of those rounds,
-        not of its length). Kept for the draft (single or batched) that follows."""
+        not of its length). The draft (single or batched) that follows is given it."""
         now = time.perf_counter()
         if self._round is not None:
             drafted, merged, length, start = self._round
@@ -166,12 +159,7 @@ class EagleDrafter:
         length, keep = self.controller.choose(0.0 if sampling is None else sampling.params.temperature,
                                               len(proposal))
         self._round = ([], [], sequence.numel(), now)
-        self._plan = (TreeShape(length, 1, length), proposal[:keep])
-        return self._plan
-
-    def drop_plan(self) -> None:
-        """The planned round drafts nothing and is not drafted (its sequence scores the root alone)."""
-        self._plan = None
+        return TreeShape(length, 1, length), proposal[:keep]
 
     def merge_ngram_chain(self, tree: DraftTree, sequence: torch.Tensor, max_depth: int,
                           chain: list[int] | None = None) -> DraftTree:
@@ -264,13 +252,13 @@ class EagleDrafter:
         return grow_sampled_tree(int(sequence[-1]), top_logp[-1], self.head.draft_to_target[top_ids[-1]], depth,
                                  shape.topk, shape.total_tokens, sampling, expand)
 
-    def tree_from(self, growth: TreeGrowth, sequence: torch.Tensor, max_depth: int) -> DraftTree:
+    def tree_from(self, growth: TreeGrowth, sequence: torch.Tensor, max_depth: int,
+                  plan: tuple[TreeShape, list[int]] | None = None) -> DraftTree:
         """The tree a batched round grew for this drafter (eagle_lab/drafters/eagle/batch.py), kept as draft()
-        keeps its own: the candidates remembered, the n-gram chain merged."""
-        tree, self.last_candidates = growth.tree(int(sequence[-1]), self.round_shape.total_tokens)
-        chain = None
-        if self._plan is not None:  # the controller's round: remember what it drafted, merge the planned chain
-            chain, self._plan = self._plan[1], None
+        keeps its own: the candidates remembered, the n-gram chain merged. plan: the controller's for this round."""
+        shape, chain = plan if plan is not None else (self.shape, None)
+        tree, self.last_candidates = growth.tree(int(sequence[-1]), shape.total_tokens)
+        if plan is not None:  # the controller's round: remember what it drafted
             self._round = (tree.tokens[1:].tolist(), chain, *self._round[2:])
         return self.merge_ngram_chain(tree, sequence, max_depth, chain)
 
