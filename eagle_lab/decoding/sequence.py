@@ -146,7 +146,9 @@ class Sequence:
         self.stats = GenerationStats()
         self.reason = ""  # why it stopped ('' while running)
         self.sequence: torch.Tensor | None = None  # (T + emitted,) committed tokens; the last is the root
-        self.unseen: torch.Tensor | None = None  # (P, F) features the drafter has not been fed yet
+        # (P_i, F) pieces of the features the drafter has not been fed yet (joined when read: a round that
+        # drafts nothing adds a piece without copying the rest)
+        self._unseen: list[torch.Tensor] | None = None
         self.tree: DraftTree | None = None  # this round's tree, between draft() and accept()
         self.plan = None  # a controlled drafter's plan for this round (drafter.plan: its shape, n-gram tokens)
         self.features: list[torch.Tensor] | None = [] if keep_features else None  # (n, H) pieces
@@ -160,6 +162,15 @@ class Sequence:
     def row(self):
         """Its row of the static rows (a RowScorer's)."""
         return self.scorer.row
+
+    @property
+    def unseen(self) -> torch.Tensor | None:
+        """(P, F) the features the drafter has not been fed yet (None without a drafter, or once done)."""
+        if self._unseen is None:
+            return None
+        if len(self._unseen) > 1:
+            self._unseen = [torch.cat(self._unseen)]
+        return self._unseen[0]
 
     @property
     def done(self) -> bool:
@@ -181,7 +192,7 @@ class Sequence:
         if self.drafter is not None:
             self.drafter.reset()
         scored = self.scorer.prefill(self.prompt_ids)  # features (T, H), head_features (T, F), logits (1, V)
-        self.unseen = scored.head_features if self.drafter is not None else None
+        self._unseen = [scored.head_features] if self.drafter is not None else None
         if self.features is not None:
             self.features.append(scored.features)
         self.stats.target_forwards += 1
@@ -256,7 +267,7 @@ class Sequence:
     def set_tree(self, tree: DraftTree) -> DraftTree:
         """The second half of draft(): this round's tree, drafted from every unseen feature."""
         self.tree = tree
-        self.unseen = self.unseen[:0]  # fed to the drafter
+        self._unseen = [self.unseen[:0]]  # fed to the drafter
         return tree
 
     @torch.no_grad()
@@ -271,7 +282,7 @@ class Sequence:
         if not kept:
             self.scorer.commit(accepted)
         if self.drafter is not None:
-            self.unseen = torch.cat([self.unseen, scored.head_features[accepted]])  # (P + L + 1, F)
+            self._unseen.append(scored.head_features[accepted])  # (L + 1, F)
         if self.features is not None:
             self.features.append(scored.features[accepted])
         self.stats.target_forwards += 1
@@ -294,7 +305,7 @@ class Sequence:
         self.reason = reason
         self.stats.stop_reason, self.stats.wall_s = reason, time.perf_counter() - self.start
         self.scorer.release()  # a row is free for the next sequence
-        self.tree = self.unseen = None
+        self.tree = self._unseen = None
 
 
 def score_rows(rows: StaticRows, sequences: list[Sequence]) -> list[RowScore]:
