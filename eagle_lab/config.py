@@ -17,7 +17,8 @@ from eagle_lab.errors import EagleLabError
 from eagle_lab.models.target import TargetConfig
 from eagle_lab.training.data import DataConfig
 from eagle_lab.training.losses import LossConfig
-from eagle_lab.tree_search.space import TreeConfig
+from eagle_lab.training.trainable import check_kind
+from eagle_lab.tree_search.tree_config import TreeConfig
 
 
 @dataclass
@@ -209,6 +210,47 @@ class TrainConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     name: str = "default"
     run_dir: str = ""
+
+    def validate(self) -> None:
+        """Raise EagleLabError for the first setting, or combination of settings, that a run cannot honour (the
+        trainer calls it before any work starts)."""
+        if self.deepspeed.timeout_min <= 0:
+            raise EagleLabError(f"deepspeed.timeout_min must be > 0, got {self.deepspeed.timeout_min}")
+        if self.trainer.features not in ("offline", "online"):
+            raise EagleLabError(f"trainer.features must be offline or online, got '{self.trainer.features}'")
+        if self.trainer.max_steps < 1 or self.trainer.micro_batch_size < 1 or self.trainer.grad_accum < 1:
+            raise EagleLabError("trainer.max_steps, micro_batch_size and grad_accum must be >= 1")
+        if self.trainer.epochs < 0:
+            raise EagleLabError(f"trainer.epochs must be >= 0 (0: use trainer.max_steps), got {self.trainer.epochs}")
+        if self.trainer.cpu_autocast not in ("auto", "on", "off"):
+            raise EagleLabError(f"trainer.cpu_autocast must be auto, on or off, got '{self.trainer.cpu_autocast}'")
+        if self.trainer.capture_layers not in ("auto", "eagle3"):
+            raise EagleLabError(f"trainer.capture_layers must be auto or eagle3, got '{self.trainer.capture_layers}'")
+        check_kind(self.head)
+        loss = self.loss
+        if min(loss.accept_weight, loss.distill_top_k, loss.align_top_k, loss.opening_tokens) < 0 \
+                or loss.opening_weight <= 0:
+            raise EagleLabError("loss.accept_weight, distill_top_k, align_top_k and opening_tokens must be >= 0 "
+                                f"(0: off) and loss.opening_weight > 0, got {loss.accept_weight}, "
+                                f"{loss.distill_top_k}, {loss.align_top_k}, {loss.opening_tokens}, "
+                                f"{loss.opening_weight}")
+        if self.data.eval_conversations < 0 or self.data.shard_conversations < 1:
+            raise EagleLabError("data.eval_conversations must be >= 0 and data.shard_conversations >= 1")
+        if self.trainer.eval_only and (self.trainer.capture_only or self.head.kind not in ("eagle2", "eagle3")
+                                      or self.head.path in ("", "random")):
+            raise EagleLabError("trainer.eval_only evaluates a trained EAGLE head: set head.path=<head directory> "
+                                "(head.kind eagle2 or eagle3) and leave trainer.capture_only off")
+        if self.trainer.init_from and (self.trainer.eval_only or self.head.kind not in ("eagle2", "eagle3")):
+            raise EagleLabError("trainer.init_from starts training from a trained EAGLE head (head.kind eagle2 or "
+                                "eagle3); trainer.eval_only evaluates head.path instead")
+        if self.data.add_regenerated < 0 or (self.data.add_regenerated > 0 and (
+                self.data.regenerate.enabled or self.data.eval_conversations == 0)):
+            raise EagleLabError("data.add_regenerated=N mixes the target's replies to N conversations into a "
+                                "feature corpus of the source's own (data.eval_conversations > 0, "
+                                "data.regenerate.enabled=false)")
+        if self.data.eval_conversations > 0 and self.trainer.features != "offline":
+            raise EagleLabError("data.eval_conversations > 0 (the shared feature corpus) needs "
+                                "trainer.features=offline")
 
 
 def register_configs() -> None:

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from eagle_lab.builders import METHODS, build_decoder, make_drafter, make_generator, ngram_proposer
 from eagle_lab.config import ServeConfig, register_configs, to_object
 from eagle_lab.decoding.backend import build_backend, compile_choice
-from eagle_lab.decoding.heap import freeze_loaded_objects
+from eagle_lab.decoding.gc_freeze import freeze_loaded_objects
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.decoding.sequence import Stopper, check_prompt
 from eagle_lab.errors import EagleLabError, run_entry

@@ -18,7 +18,7 @@ FAMILIES = ("llama", "qwen2", "mistral")
 
 @pytest.fixture(autouse=True)
 def collectable_heap():
-    """Serving code exempts what it loaded from garbage collection (decoding/heap.py); in one test process
+    """Serving code exempts what it loaded from garbage collection (decoding/gc_freeze.py); in one test process
     that would keep every earlier test's objects out of the collector's reach, so each test ends with the
     exemption lifted."""
     yield

@@ -14,7 +14,6 @@ import torch
 from eagle_lab.config import TrainConfig
 from eagle_lab.errors import EagleLabError
 from eagle_lab.training import losses
-from eagle_lab.training.config_checks import check_train_config
 from eagle_lab.training.losses import Batch, LossConfig, reply_positions, training_loss
 
 ROWS = torch.eye(3)  # [Vd, H]: the target's logits are its top feature
@@ -107,7 +106,7 @@ def test_bad_acceptance_settings_are_refused(override):
     for key, value in override.items():
         setattr(cfg.loss, key, value)
     with pytest.raises(EagleLabError, match="loss."):
-        check_train_config(cfg)
+        cfg.validate()
 
 
 class LogitsHeadWithWeights(LogitsHead, torch.nn.Module):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from eagle_lab.benchmark.context import Run
 from eagle_lab.benchmark.llama_cpp_runs import LLAMA_CPP_METHODS
 from eagle_lab.benchmark.methods import split_method
 from eagle_lab.benchmark.report import REFERENCE
-from eagle_lab.benchmark.runs import Run
 from eagle_lab.builders import SPECULATIVE
 from eagle_lab.decoding.sequence import GenerationStats
 

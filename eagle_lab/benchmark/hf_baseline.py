@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
+from eagle_lab.benchmark.context import BenchContext, Run
 from eagle_lab.benchmark.methods import PROMPT_LOOKUP_TOKENS
-from eagle_lab.benchmark.runs import BenchContext, Run
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.models.device import timed_call
 from eagle_lab.models.prompts import as_tensor

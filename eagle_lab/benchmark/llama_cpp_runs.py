@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from eagle_lab.benchmark.runs import BenchContext, Run
+from eagle_lab.benchmark.context import BenchContext, Run
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.llama_cpp import ENV, source_dir, tool

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_lab.benchmark.aggregate import prompt_records, summarise
+from eagle_lab.benchmark.context import BenchContext, Run, make_context
 from eagle_lab.benchmark.hf_baseline import run_hf
 from eagle_lab.benchmark.llama_cpp_runs import LLAMA_CPP_METHODS, find_setup, run_llama_cpp
 from eagle_lab.benchmark.metadata import config_summary, preview, update_card
@@ -43,13 +44,12 @@ from eagle_lab.benchmark.methods import (
 )
 from eagle_lab.benchmark.prompt_sets import load_bench_prompts
 from eagle_lab.benchmark.report import write_outputs
-from eagle_lab.benchmark.runs import BenchContext, Run, make_context
 from eagle_lab.benchmark.sweep import run_sweep
 from eagle_lab.builders import SPECULATIVE, build_decoder, make_generator
 from eagle_lab.config import ServeConfig
 from eagle_lab.decoding.backend import EagerBackend, build_backend
+from eagle_lab.decoding.gc_freeze import freeze_loaded_objects
 from eagle_lab.decoding.generate import Stopper, generate
-from eagle_lab.decoding.heap import freeze_loaded_objects
 from eagle_lab.decoding.sampling import SamplingParams, temperature_key
 from eagle_lab.errors import EagleLabError
 from eagle_lab.models.device import timed_call

@@ -14,7 +14,7 @@ import socket
 from eagle_lab.builders import make_drafter
 from eagle_lab.config import ServeConfig, ServerConfig
 from eagle_lab.decoding.backend import DecodingConfig, StaticBackend, build_backend
-from eagle_lab.decoding.heap import freeze_loaded_objects
+from eagle_lab.decoding.gc_freeze import freeze_loaded_objects
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
 from eagle_lab.errors import EagleLabError

@@ -15,11 +15,14 @@ import torch
 from eagle_lab.training.losses import Batch, LossConfig, supervised_positions, training_loss
 
 
-def summed_over_ranks(values: torch.Tensor, world: int) -> torch.Tensor:
-    if world > 1:
-        values = values.clone()
-        torch.distributed.all_reduce(values)
-    return values
+def summed_over_ranks(values: torch.Tensor, world: int, device: torch.device) -> torch.Tensor:
+    """values summed over the ranks (a collective when world > 1: every rank calls it), on values' own device;
+    reduced on `device`, the training device (nccl reduces device tensors only)."""
+    if world == 1:
+        return values
+    summed = values.to(device, copy=True)
+    torch.distributed.all_reduce(summed)
+    return summed.to(values.device)
 
 
 def global_batch_step(engine, target, target_rows: torch.Tensor, batches: list[Batch], loss_cfg: LossConfig,
@@ -27,7 +30,7 @@ def global_batch_step(engine, target, target_rows: torch.Tensor, batches: list[B
     """Backward and step over this rank's micro-batches -> (global loss, global metrics)."""
     head = engine.module
     local = sum(supervised_positions(head, target, batch, loss_cfg, steps) for batch in batches)  # [steps]
-    denominators = summed_over_ranks(local, world)
+    denominators = summed_over_ranks(local, world, target_rows.device)
     scale = world * len(batches)  # undoes DeepSpeed's 1/grad_accum and the ranks' gradient mean
     loss_sum, metric_sums = 0.0, {}
     for batch in batches:
@@ -39,5 +42,6 @@ def global_batch_step(engine, target, target_rows: torch.Tensor, batches: list[B
         for name, value in metrics.items():
             metric_sums[name] = metric_sums.get(name, 0.0) + value
     names = sorted(metric_sums)
-    totals = summed_over_ranks(torch.tensor([loss_sum, *(metric_sums[n] for n in names)], dtype=torch.float64), world)
+    sums = torch.tensor([loss_sum, *(metric_sums[n] for n in names)], dtype=torch.float64)
+    totals = summed_over_ranks(sums, world, target_rows.device)
     return float(totals[0]), dict(zip(names, totals[1:].tolist()))

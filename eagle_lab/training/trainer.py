@@ -28,7 +28,6 @@ from eagle_lab.models.device import cpu_has_bf16, training_dtype
 from eagle_lab.models.target import load_target
 from eagle_lab.training import checkpoint as ckpt
 from eagle_lab.training.batches import ExampleSource, collate, epoch_order
-from eagle_lab.training.config_checks import check_train_config
 from eagle_lab.training.corpus import CorpusStore, capture_split
 from eagle_lab.training.corpus_layout import Split
 from eagle_lab.training.corpus_sources import features_root, open_corpus_sources
@@ -36,7 +35,7 @@ from eagle_lab.training.data import build_datasets
 from eagle_lab.training.deepspeed_setup import deepspeed_config, init_distributed, lr_lambda
 from eagle_lab.training.draft_vocab import draft_vocabulary, supervised_counts
 from eagle_lab.training.features import Example, features_key
-from eagle_lab.training.global_batch import global_batch_step
+from eagle_lab.training.global_batch import global_batch_step, summed_over_ranks
 from eagle_lab.training.host_memory import reuse_freed_memory
 from eagle_lab.training.losses import Batch, heldout_accuracy, prediction_steps
 from eagle_lab.training.regenerate import target_rewrite
@@ -67,7 +66,7 @@ class Recipe:
 
     def setup(self) -> None:
         cfg = self.cfg
-        check_train_config(cfg)
+        cfg.validate()
         if ckpt.latest_checkpoint(self.ckpt_dir) and not (cfg.trainer.resume or cfg.trainer.capture_only
                                                           or cfg.trainer.eval_only):
             raise EagleLabError(f"{self.run_dir} already has checkpoints: pass trainer.resume=true to continue, "
@@ -190,11 +189,7 @@ class Recipe:
                 ExampleSource(self.target, self.eval_rows, stores[1], self.layer_ids))
 
     def _sum_over_ranks(self, counts: torch.Tensor) -> torch.Tensor:
-        if self.world == 1:
-            return counts
-        summed = counts.to(self.device)  # nccl reduces device tensors only
-        torch.distributed.all_reduce(summed)
-        return summed.cpu()
+        return summed_over_ranks(counts, self.world, self.device)
 
     def _barrier(self) -> None:
         if self.world > 1:

@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from eagle_lab.errors import EagleLabError
-from eagle_lab.tree_search.space import TreeConfig
+from eagle_lab.tree_search.tree_config import TreeConfig
 
 TREE_DIR = Path(__file__).resolve().parents[1] / "conf" / "tree"
 INLINE_SHAPE = re.compile(r"d(\d+)k(\d+)n(\d+)(-top)?")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from eagle_lab.decoding.heap import freeze_loaded_objects
+from eagle_lab.decoding.gc_freeze import freeze_loaded_objects
 
 
 class Node:
