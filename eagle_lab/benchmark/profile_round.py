@@ -14,7 +14,6 @@ operators by their own CPU time (a compiled graph shows as one entry).
 from __future__ import annotations
 
 import sys
-import time
 from collections import defaultdict
 
 import torch
@@ -26,6 +25,7 @@ from eagle_lab.decoding.generate import Stopper, generate, speculative_decode, v
 from eagle_lab.decoding.sampling import SamplingParams
 from eagle_lab.drafters.growth import TreeShape
 from eagle_lab.errors import EagleLabError, key_values
+from eagle_lab.models.device import timed_call
 from eagle_lab.models.prompts import encode_prompt, has_chat_template
 from eagle_lab.models.target import TargetConfig, load_target
 from eagle_lab.tree_search.costs import CALIBRATION_PROMPTS
@@ -72,13 +72,11 @@ def main(argv: list[str]) -> None:
                                            observer=observer))
 
     plain(), speculative()  # warm-up (and compiles, on a compiled backend)
-    start = time.perf_counter()
-    base = plain()
-    plain_ms = 1000 * (time.perf_counter() - start) / max(base.stats.target_forwards, 1)
+    base, seconds = timed_call(plain)
+    plain_ms = 1000 * seconds / max(base.stats.target_forwards, 1)
     times = PhaseTimes()
-    start = time.perf_counter()
-    result = speculative(times)
-    total, rounds = time.perf_counter() - start, max(result.stats.rounds, 1)
+    result, total = timed_call(lambda: speculative(times))
+    rounds = max(result.stats.rounds, 1)
     round_ms = 1000 * total / rounds
     same = "equal to" if result.token_ids == base.token_ids else "DIFFERENT from"
     print(f"backend {backend.name}, {torch.get_num_threads()} threads, tree {shape}: {rounds} rounds, "

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from eagle_lab.decoding.sequence import Sequence, Stopper, batch_round
 from eagle_lab.decoding.static_rows import StaticRows
 from eagle_lab.drafters.eagle.batch import BatchDrafter
 from eagle_lab.drafters.eagle.drafter import EagleDrafter
+from eagle_lab.models.device import timed_call
 from eagle_lab.models.embedded import cache_root
 from eagle_lab.models.target import Target
 from eagle_lab.tree_search.costs import timing_fingerprint
@@ -142,21 +142,25 @@ def timed_batch_decoding(target: Target, prototype: EagleDrafter | None, prompts
     for sequence in sequences:
         sequence.prefill()
     drafting = BatchDrafter()
-    tokens = rounds = 0
-    start = time.perf_counter()
-    try:
+
+    def decode() -> tuple[int, int]:
+        tokens = rounds = 0
         while not any(s.done for s in sequences):
             for result in batch_round(rows, sequences, [plain] * len(sequences), drafting):
                 if isinstance(result, Exception):
                     raise result
                 tokens += len(result)
             rounds += 1
+        return tokens, rounds
+
+    try:
+        (tokens, rounds), seconds = timed_call(decode, target.device)
     finally:
         drafting.release()
         for sequence in sequences:
             if not sequence.done:
                 sequence.finish("timed")  # gives its row back
-    return {"tokens": tokens, "rounds": rounds, "seconds": time.perf_counter() - start,
+    return {"tokens": tokens, "rounds": rounds, "seconds": seconds,
             "outputs": [list(s.stopper.generated) for s in sequences]}
 
 
