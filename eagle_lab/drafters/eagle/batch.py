@@ -42,7 +42,7 @@ def runs_head(sequence: Sequence) -> bool:
     drafter = sequence.drafter
     if not isinstance(drafter, EagleDrafter) or drafter.has_backlog:  # a backlog is fed by drafting alone
         return False
-    shape = sequence.plan[0] if sequence.plan is not None else drafter.shape
+    shape = drafter.planned_shape(sequence.plan)
     return shape.depth >= 1 and shape.topk >= 1 and shape.total_tokens >= 1
 
 
@@ -51,7 +51,7 @@ class Row:
 
     def __init__(self, sequence: Sequence, max_depth: int):
         self.sequence, self.drafter, self.max_depth = sequence, sequence.drafter, max_depth
-        shape = sequence.plan[0] if sequence.plan is not None else self.drafter.shape
+        shape = self.drafter.planned_shape(sequence.plan)
         self.depth = min(shape.depth, max_depth)  # levels drafted; < 1: commit only, the tree is the root
         self.k = min(shape.topk, self.drafter.head.arch.draft_vocab_size)
         self.growth: TreeGrowth | None = None

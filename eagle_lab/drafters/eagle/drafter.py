@@ -161,6 +161,10 @@ class EagleDrafter:
         self._round = ([], [], sequence.numel(), now)
         return TreeShape(length, 1, length), proposal[:keep]
 
+    def planned_shape(self, plan: tuple[TreeShape, list[int]] | None) -> TreeShape:
+        """The shape a round drafts: the controller's plan's (plan() gave it), else `shape`."""
+        return plan[0] if plan is not None else self.shape
+
     def merge_ngram_chain(self, tree: DraftTree, sequence: torch.Tensor, max_depth: int,
                           chain: list[int] | None = None) -> DraftTree:
         """The head's tree with the n-gram chain merged in (hybrid drafting; unchanged without it). The chain's
@@ -256,8 +260,8 @@ class EagleDrafter:
                   plan: tuple[TreeShape, list[int]] | None = None) -> DraftTree:
         """The tree a batched round grew for this drafter (eagle_lab/drafters/eagle/batch.py), kept as draft()
         keeps its own: the candidates remembered, the n-gram chain merged. plan: the controller's for this round."""
-        shape, chain = plan if plan is not None else (self.shape, None)
-        tree, self.last_candidates = growth.tree(int(sequence[-1]), shape.total_tokens)
+        chain = plan[1] if plan is not None else None
+        tree, self.last_candidates = growth.tree(int(sequence[-1]), self.planned_shape(plan).total_tokens)
         if plan is not None:  # the controller's round: remember what it drafted
             self._round = (tree.tokens[1:].tolist(), chain, *self._round[2:])
         return self.merge_ngram_chain(tree, sequence, max_depth, chain)
